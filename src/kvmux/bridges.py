@@ -1,0 +1,259 @@
+"""Bridges between the plug-in levels: any Pipe → a LookupBuffer → a Connector.
+
+They let a third party implement only the level that fits its system and get
+the other two for free (the registry applies them when a name is found in the
+``kvmux.buffers`` or ``kvmux.pipes`` group rather than ``kvmux.connectors``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvmux.buffer import LookupBuffer
+from kvmux.capabilities import Capabilities
+from kvmux.config import BackendConfig
+from kvmux.connector import Address, Connector
+from kvmux.errors import ClosedError, ProtocolError, TransferError, TransferTimeout
+from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.pipe import Pipe
+
+
+class _PipeMessage(BaseModel):
+    """Header of every message a PipeLookupBuffer sends; a payload tensor follows it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["contains", "drop", "reply"]
+    id: int
+    key: str | None = None
+    timeout: float = 0.0
+    found: bool = False
+
+
+class PipeLookupBuffer(LookupBuffer):
+    """A lookup buffer over one Pipe: each end keeps what it inserted, and
+    ``drop_select``/``contains`` ask the *other* end.
+
+    Every message is two tensors: a JSON header (validated, never unpickled)
+    and a payload (the block, or None). One reader thread routes replies to
+    waiting callers and serves the peer's requests on a small pool, so a peer
+    waiting for a slow insert never blocks the channel.
+    """
+
+    capabilities = Capabilities(p2p=True, consumes_on_load=True)
+
+    def __init__(self, pipe: Pipe, config: BackendConfig) -> None:
+        super().__init__(config)
+        self.pipe = pipe
+        self._store: dict[BlockKey, torch.Tensor] = {}
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future[tuple[_PipeMessage, torch.Tensor | None]]] = {}
+        self._pending_lock = threading.Lock()
+        self._servers = ThreadPoolExecutor(4, thread_name_prefix="kvmux-pipebuf")
+        self._closed = False
+        self._broken: Exception | None = None
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="kvmux-pipe-rx")
+        self._reader.start()
+
+    # local side
+    def insert(self, key: BlockKey, tensor: torch.Tensor) -> None:
+        with self._cond:
+            self._store[key] = tensor
+            self._cond.notify_all()
+
+    # remote side
+    def drop_select(self, key: BlockKey, timeout: float) -> torch.Tensor | None:
+        reply, payload = self._request("drop", key, timeout)
+        return payload if reply.found else None
+
+    def contains(self, key: BlockKey) -> bool:
+        reply, _ = self._request("contains", key, 0.0)
+        return reply.found
+
+    def address(self) -> dict[str, Any]:
+        return self.pipe.address()
+
+    def connect(self, address: Mapping[str, Any]) -> None:
+        if not self.pipe.connected:
+            self.pipe.connect(address)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.pipe.close()
+        self._reader.join(timeout=5)
+        self._servers.shutdown(wait=False, cancel_futures=True)
+        self._fail_pending(ClosedError("lookup buffer closed"))
+
+    # ------------------------------------------------------------------ internals
+
+    def _request(
+        self, kind: Literal["contains", "drop"], key: BlockKey, wait: float
+    ) -> tuple[_PipeMessage, torch.Tensor | None]:
+        if self._closed:
+            raise ClosedError("lookup buffer closed")
+        if self._broken is not None:
+            raise TransferError(f"pipe to peer is broken: {self._broken}")
+        msg = _PipeMessage(kind=kind, id=next(self._ids), key=key.id, timeout=wait)
+        fut: Future[tuple[_PipeMessage, torch.Tensor | None]] = Future()
+        with self._pending_lock:
+            self._pending[msg.id] = fut
+        try:
+            self._send(msg, None)
+            return fut.result(timeout=wait + self.config.timeout_s)
+        except TimeoutError:
+            raise TransferTimeout(f"peer did not answer {kind} for {key!r}") from None
+        finally:
+            with self._pending_lock:
+                self._pending.pop(msg.id, None)
+
+    def _send(self, msg: _PipeMessage, payload: torch.Tensor | None) -> None:
+        header = torch.frombuffer(bytearray(msg.model_dump_json().encode()), dtype=torch.uint8)
+        with self._send_lock:
+            self.pipe.send_tensor(header)
+            self.pipe.send_tensor(payload)
+
+    def _read_loop(self) -> None:
+        try:
+            while not self._closed:
+                try:
+                    header = self.pipe.recv_tensor(timeout=0.5)
+                except TransferTimeout:
+                    continue
+                payload = self.pipe.recv_tensor(timeout=self.config.timeout_s)
+                msg = self._parse(header)
+                if msg.kind == "reply":
+                    with self._pending_lock:
+                        fut = self._pending.get(msg.id)
+                    if fut is not None and not fut.done():
+                        fut.set_result((msg, payload))
+                else:
+                    self._servers.submit(self._serve, msg)
+        except Exception as exc:  # noqa: BLE001 - the channel is dead; callers learn why
+            if not self._closed:
+                self._broken = exc
+            self._fail_pending(exc)
+
+    @staticmethod
+    def _parse(header: torch.Tensor | None) -> _PipeMessage:
+        if header is None or header.dtype != torch.uint8 or header.dim() != 1:
+            raise ProtocolError("expected a uint8 message header from the peer")
+        try:
+            return _PipeMessage.model_validate(json.loads(header.numpy().tobytes()))
+        except (ValueError, ValidationError) as exc:
+            raise ProtocolError(f"malformed message header: {exc}") from None
+
+    def _serve(self, msg: _PipeMessage) -> None:
+        assert msg.key is not None
+        key = BlockKey.from_id(msg.key)
+        payload: torch.Tensor | None = None
+        with self._cond:
+            if msg.kind == "drop":
+                self._cond.wait_for(lambda: key in self._store or self._closed, msg.timeout)
+                payload = self._store.pop(key, None)
+                found = payload is not None
+            else:
+                found = key in self._store
+        reply = _PipeMessage(kind="reply", id=msg.id, found=found)
+        try:
+            self._send(reply, payload)
+        except Exception:  # noqa: BLE001 - peer gone mid-reply: keep the block for a retry
+            if payload is not None:
+                self.insert(key, payload)
+
+    def _fail_pending(self, exc: Exception) -> None:
+        with self._pending_lock:
+            pending = list(self._pending.values())
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(TransferError(f"pipe to peer failed: {exc}"))
+
+
+class BufferConnector(Connector):
+    """Any LookupBuffer as a Connector: one tensor of ``block_nbytes`` bytes per key.
+
+    A load asks ``contains`` first, so a key the buffer does not hold is
+    reported missing at once instead of after a full ``drop_select`` wait.
+    """
+
+    def __init__(self, buffer: LookupBuffer, config: BackendConfig) -> None:
+        super().__init__(config)
+        self.buffer = buffer
+        self.capabilities = replace(buffer.capabilities, consumes_on_load=True)
+
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+        self._attach(source)
+        found = 0
+        for key in keys:
+            if not self.buffer.contains(key):
+                break
+            found += 1
+        return found
+
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        def work() -> tuple[list[Outcome], int]:
+            outcomes: list[Outcome] = []
+            nbytes = 0
+            for key, block in zip(keys, block_ids, strict=True):
+                try:
+                    self.buffer.insert(key, self.copier.gather([block])[0])
+                except Exception as exc:  # noqa: BLE001 - per-key outcome
+                    outcomes.append(failed(f"insert failed: {exc}"))
+                    continue
+                outcomes.append(OK)
+                nbytes += self.copier.block_nbytes
+            return outcomes, nbytes
+
+        return self._run(keys, work)
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        expected = self.copier.block_nbytes
+
+        def one(key: BlockKey, block: int) -> Outcome:
+            if not self.buffer.contains(key):
+                return MISSING
+            tensor = self.buffer.drop_select(key, self.config.timeout_s)
+            if tensor is None:
+                return MISSING
+            if tensor.dtype != torch.uint8 or tensor.numel() != expected:
+                return failed(
+                    f"block holds {tensor.numel()} {tensor.dtype} elements, "
+                    f"layout needs {expected} uint8"
+                )
+            self.copier.copy_in([block], tensor.reshape(1, expected))
+            return OK
+
+        def work() -> tuple[list[Outcome], int]:
+            self._attach(source)
+            outcomes: list[Outcome] = []
+            for key, block in zip(keys, block_ids, strict=True):
+                try:
+                    outcomes.append(one(key, block))
+                except Exception as exc:  # noqa: BLE001 - per-key outcome
+                    outcomes.append(failed(str(exc)))
+            return outcomes, expected * sum(o.ok for o in outcomes)
+
+        return self._run(keys, work)
+
+    def _attach(self, source: Address | None) -> None:
+        if source is not None and self.capabilities.p2p:
+            self.buffer.connect(source)
+
+    def address(self) -> dict[str, Any] | None:
+        return self.buffer.address()
+
+    def _close(self) -> None:
+        self.buffer.close()

@@ -1,0 +1,36 @@
+"""What a backend can do, declared up front.
+
+The conformance suite skips a test only when a capability says the backend
+does not promise that behaviour (and says which), and the MultiConnector
+refuses compositions whose children cannot work together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    p2p: bool = False
+    """Loads pull from a peer instance named by ``source`` (an ``address()``)."""
+    persistent: bool = False
+    """Blocks survive closing the connector and opening a new one on the same config."""
+    capacity_bound: bool = False
+    """Bounded storage: saving past capacity evicts older blocks instead of failing."""
+    consumes_on_load: bool = False
+    """A successful load removes the block (lookup-buffer ``drop_select`` semantics)."""
+    zero_copy: bool = False
+    """The transport reads or writes registered KV memory directly."""
+    layerwise: bool = False
+    """Can move one layer at a time while the engine computes the next."""
+    memory_kinds: frozenset[str] = field(default_factory=lambda: frozenset({"cpu"}))
+    """Devices whose KV memory ``register`` accepts (``cpu``, ``cuda``)."""
+    max_block_nbytes: int | None = None
+    """Largest block the backend can hold, if bounded."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory_kinds"] = sorted(self.memory_kinds)
+        return data

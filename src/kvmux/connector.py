@@ -1,0 +1,235 @@
+"""The Connector: the one interface the rest of kvmux (and every engine adapter) speaks.
+
+A backend subclasses :class:`Connector` and implements three methods,
+``_lookup``, ``_save`` and ``_load``; the public methods around them check
+arguments the same way for every backend, keep the stats and turn surprises
+into per-key failures. See ``examples/plugin`` for a complete small backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvmux.blocks import BlockCopier
+from kvmux.capabilities import Capabilities
+from kvmux.config import BackendConfig
+from kvmux.errors import (
+    ClosedError,
+    InvalidRequestError,
+    LayoutError,
+    NotRegisteredError,
+)
+from kvmux.handle import Handle, Outcome, TransferResult
+from kvmux.keys import BlockKey, check_unique
+from kvmux.layout import KVLayout
+from kvmux.stats import Stats
+
+Address = Mapping[str, Any]
+"""Where a peer reaches a P2P connector: JSON-able, carried between engine instances."""
+
+
+@dataclass(frozen=True)
+class Health:
+    healthy: bool
+    detail: str = ""
+
+
+class Connector(ABC):
+    """Moves blocks of registered KV memory in and out under :class:`BlockKey` names.
+
+    Contract (checked by ``kvmux.testing.suite``):
+
+    * ``register`` once, before any transfer, with the engine's KV tensors.
+    * ``lookup(keys)`` returns how many *leading* keys can be loaded; cheap,
+      no side effects.
+    * ``save(keys, block_ids)`` makes those blocks retrievable; when the
+      handle finishes the caller may overwrite the blocks.
+    * ``load(keys, block_ids, source)`` fills the blocks; each key ends ok,
+      missing or failed, within ``config.timeout_s``; never wrong bytes.
+    * every method is safe to call from several threads.
+    """
+
+    config_model: ClassVar[type[BackendConfig]] = BackendConfig
+    capabilities: Capabilities = Capabilities()
+    """Class-level for most backends; bridges derive theirs per instance."""
+    max_workers: ClassVar[int] = 2
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.layout: KVLayout | None = None
+        self._copier: BlockCopier | None = None
+        self._stats = Stats()
+        self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- public API
+
+    def register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        """Give the connector the KV memory it reads from and writes to."""
+        self._check_open()
+        if layout.device not in self.capabilities.memory_kinds:
+            raise LayoutError(
+                f"{type(self).__name__} cannot use {layout.device} memory "
+                f"(supports {sorted(self.capabilities.memory_kinds)})"
+            )
+        max_block = self.capabilities.max_block_nbytes
+        if max_block is not None and layout.block_nbytes > max_block:
+            raise LayoutError(f"block of {layout.block_nbytes} bytes exceeds {max_block}")
+        copier = BlockCopier(layout, caches)
+        self._register(layout, caches)
+        self.layout, self._copier = layout, copier
+
+    def lookup(self, keys: Sequence[BlockKey], source: Address | None = None) -> int:
+        """How many leading ``keys`` this connector (or the peer at ``source``) can deliver."""
+        self._check_open()
+        self._check_keys(keys)
+        if not keys:
+            return 0
+        found = max(0, min(len(keys), self._lookup(keys, source)))
+        self._stats.add("lookup_calls")
+        self._stats.add("lookup_hits", found)
+        return found
+
+    def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> Handle:
+        """Start making blocks ``block_ids`` retrievable under ``keys``."""
+        self._check_transfer(keys, block_ids)
+        handle = self._save(list(keys), list(block_ids))
+        handle.add_done_callback(lambda r: self._stats.record("save", r))
+        return handle
+
+    def load(
+        self, keys: Sequence[BlockKey], block_ids: Sequence[int], source: Address | None = None
+    ) -> Handle:
+        """Start filling blocks ``block_ids`` with the data saved under ``keys``."""
+        self._check_transfer(keys, block_ids)
+        handle = self._load(list(keys), list(block_ids), source)
+        handle.add_done_callback(lambda r: self._stats.record("load", r))
+        return handle
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Tell the connector these keys are no longer needed (frees pins and leases)."""
+        self._check_open()
+        self._release(list(keys))
+
+    def address(self) -> dict[str, Any] | None:
+        """Where peers reach this instance (P2P backends), else None."""
+        return None
+
+    def health(self) -> Health:
+        if self._closed:
+            return Health(False, "closed")
+        return Health(True)
+
+    def stats(self) -> dict[str, float]:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Stop background work and free resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._close()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Connector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int: ...
+
+    @abstractmethod
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle: ...
+
+    @abstractmethod
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        ...
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        """Hook: transports that pin or register memory do it here."""
+
+    def _release(self, keys: list[BlockKey]) -> None:
+        """Hook: free whatever ``keys`` hold beyond a normal stored block."""
+
+    def _close(self) -> None:
+        """Hook: stop servers, unmap memory."""
+
+    @property
+    def copier(self) -> BlockCopier:
+        if self._copier is None:
+            raise NotRegisteredError(
+                f"{type(self).__name__}: call register() with the KV tensors first"
+            )
+        return self._copier
+
+    def _submit(self, fn: Callable[[], TransferResult]) -> Future[TransferResult]:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix=f"kvmux-{self.config.backend}"
+                )
+            return self._executor.submit(fn)
+
+    def _run(
+        self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
+    ) -> Handle:
+        """Run ``work`` in the background; its exceptions become per-key failures."""
+        return Handle.from_call(keys, self._submit, work)
+
+    def _run_now(
+        self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
+    ) -> Handle:
+        """Like ``_run`` but in the caller's thread: for work cheaper than a thread hop."""
+        def submit(fn: Callable[[], TransferResult]) -> Future[TransferResult]:
+            fut: Future[TransferResult] = Future()
+            fut.set_result(fn())
+            return fut
+
+        return Handle.from_call(keys, submit, work)
+
+    # --------------------------------------------------------------- argument checks
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if not isinstance(key, BlockKey):
+                raise InvalidRequestError(f"keys must be BlockKey, got {type(key).__name__}")
+
+    def _check_transfer(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
+        self._check_open()
+        if len(keys) != len(block_ids):
+            raise InvalidRequestError(
+                f"{len(keys)} keys but {len(block_ids)} block ids: they must pair up"
+            )
+        self._check_keys(keys)
+        try:
+            check_unique(keys)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        num_blocks = self.copier.num_blocks
+        bad = [b for b in block_ids if not 0 <= int(b) < num_blocks]
+        if bad:
+            raise InvalidRequestError(
+                f"block ids out of range [0, {num_blocks}): {bad[:5]}"
+            )
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidRequestError("a block id appears twice in one call")

@@ -1,0 +1,83 @@
+"""One error hierarchy for everything kvmux raises.
+
+Errors are part of the interface: each one carries what the caller needs to fix
+the problem (the known names, the pydantic path, the package to install), so
+the message alone is enough to act on.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+class KvmuxError(Exception):
+    """Base class of every error kvmux raises on purpose."""
+
+
+class UnknownBackendError(KvmuxError, LookupError):
+    """A name that no installed distribution declares in the group asked for."""
+
+    def __init__(self, name: str, group: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.group = group
+        self.known = sorted(set(known))
+        close = difflib.get_close_matches(name, self.known, n=1, cutoff=0.6)
+        self.suggestion = close[0] if close else None
+        hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
+        names = ", ".join(self.known) or "(none installed)"
+        super().__init__(f"unknown {group} backend {name!r}.{hint} Known: {names}.")
+
+
+class BackendUnavailableError(KvmuxError, ImportError):
+    """A declared backend whose code or dependencies cannot be imported here."""
+
+    def __init__(self, name: str, group: str, reason: str) -> None:
+        self.name = name
+        self.group = group
+        self.reason = reason
+        super().__init__(f"{group} backend {name!r} is unavailable: {reason}")
+
+
+class ConfigError(KvmuxError, ValueError):
+    """A backend config that does not validate; names the backend, field path and value."""
+
+    def __init__(self, backend: str | None, problems: list[tuple[str, str, Any]]) -> None:
+        self.backend = backend
+        self.problems = problems
+        where = f"backend {backend!r}" if backend else "kvmux config"
+        lines = [f"  {path or '<root>'}: {msg} (got {value!r})" for path, msg, value in problems]
+        super().__init__(f"invalid config for {where}:\n" + "\n".join(lines))
+
+
+class LayoutError(KvmuxError, ValueError):
+    """KV memory that does not match the registered layout, or two layouts that differ."""
+
+
+class NotRegisteredError(KvmuxError, RuntimeError):
+    """A transfer was asked of a connector before ``register`` gave it KV memory."""
+
+
+class ClosedError(KvmuxError, RuntimeError):
+    """An operation on a connector, buffer or pipe that was already closed."""
+
+
+class TransferError(KvmuxError):
+    """A transfer that could not complete (peer gone, I/O error)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer or wait that ran past its deadline."""
+
+
+class ProtocolError(TransferError):
+    """A peer sent a frame that is garbage, truncated, oversized or unexpected."""
+
+
+class CapacityError(KvmuxError):
+    """A block that can never fit in the backend, whatever is evicted."""
+
+
+class InvalidRequestError(KvmuxError, ValueError):
+    """A call whose arguments contradict each other (lengths, ranges, duplicates)."""

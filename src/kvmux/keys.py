@@ -1,0 +1,80 @@
+"""Block keys: what names a block of KV cache across instances.
+
+A key is a chained content hash (the hash of a block's tokens and of its
+parent's key), so equal keys mean equal prefixes; the namespace separates
+models, dtypes and layouts that must never exchange blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+DIGEST_SIZE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """Identity of one KV block. Hashable, ordered, cheap to compare.
+
+    ``digest`` is opaque bytes (an engine's block hash works as is);
+    ``namespace`` is a short string such as ``"llama-8b/bf16/tp0"``.
+    """
+
+    digest: bytes
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, bytes) or not self.digest:
+            raise TypeError("BlockKey.digest must be non-empty bytes")
+
+    @property
+    def id(self) -> str:
+        """A filesystem- and wire-safe string form: ``namespace:hexdigest``."""
+        return f"{self.namespace}:{self.digest.hex()}"
+
+    @classmethod
+    def from_id(cls, text: str) -> BlockKey:
+        namespace, _, hexdigest = text.rpartition(":")
+        return cls(bytes.fromhex(hexdigest), namespace)
+
+    @classmethod
+    def child(cls, parent: BlockKey | None, content: bytes, namespace: str = "") -> BlockKey:
+        """The key of a block whose content follows ``parent`` (None for the first)."""
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        if parent is not None:
+            h.update(parent.digest)
+        h.update(content)
+        return cls(h.digest(), parent.namespace if parent is not None else namespace)
+
+    def __repr__(self) -> str:
+        ns = f"{self.namespace}:" if self.namespace else ""
+        return f"BlockKey({ns}{self.digest.hex()[:12]})"
+
+
+def chain_keys(
+    token_ids: Sequence[int], block_size: int, namespace: str = ""
+) -> list[BlockKey]:
+    """Keys of every *full* block of ``token_ids``, each chained to the one before.
+
+    A trailing partial block has no key: block-granular backends never store it.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    keys: list[BlockKey] = []
+    parent: BlockKey | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        chunk = token_ids[start : start + block_size]
+        content = b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)
+        parent = BlockKey.child(parent, content, namespace)
+        keys.append(parent)
+    return keys
+
+
+def check_unique(keys: Iterable[BlockKey]) -> None:
+    seen: set[BlockKey] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"duplicate key in one call: {key!r}")
+        seen.add(key)

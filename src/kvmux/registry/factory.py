@@ -1,0 +1,51 @@
+"""Building connectors, buffers and pipes from configs."""
+
+from __future__ import annotations
+
+from kvmux.bridges import BufferConnector, PipeLookupBuffer
+from kvmux.buffer import LookupBuffer
+from kvmux.connector import Connector
+from kvmux.errors import BackendUnavailableError
+from kvmux.pipe import Pipe
+from kvmux.registry.loader import ConfigLike, parse_config
+
+_KINDS = {"connectors": Connector, "buffers": LookupBuffer, "pipes": Pipe}
+
+
+def create_connector(config: ConfigLike) -> Connector:
+    """A ready Connector from ``{"backend": NAME, ...}`` (a dict, JSON text or a model).
+
+    NAME may be a connector, a lookup buffer or a pipe; the latter two are
+    bridged to a Connector (see :mod:`kvmux.bridges`).
+    """
+    entry, cls, cfg = parse_config(config)
+    _check_kind(entry.name, entry.group, cls)
+    if entry.group == "connectors":
+        connector: Connector = cls(cfg)
+        return connector
+    if entry.group == "buffers":
+        return BufferConnector(cls(cfg), cfg)
+    pipe: Pipe = cls(cfg)
+    return BufferConnector(PipeLookupBuffer(pipe, cfg), cfg)
+
+
+def create_buffer(config: ConfigLike) -> LookupBuffer:
+    entry, cls, cfg = parse_config(config, ("buffers",))
+    _check_kind(entry.name, entry.group, cls)
+    buffer: LookupBuffer = cls(cfg)
+    return buffer
+
+
+def create_pipe(config: ConfigLike) -> Pipe:
+    entry, cls, cfg = parse_config(config, ("pipes",))
+    _check_kind(entry.name, entry.group, cls)
+    pipe: Pipe = cls(cfg)
+    return pipe
+
+
+def _check_kind(name: str, group: str, cls: object) -> None:
+    base = _KINDS[group]
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise BackendUnavailableError(
+            name, group, f"entry point names {cls!r}, which is not a {base.__name__} subclass"
+        )
