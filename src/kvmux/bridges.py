@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
@@ -27,17 +28,22 @@ from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.pipe import Pipe
 
+log = logging.getLogger(__name__)
+
 
 class _PipeMessage(BaseModel):
     """Header of every message a PipeLookupBuffer sends; a payload tensor follows it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["contains", "drop", "reply"]
+    kind: Literal["contains", "count", "drop", "reply"]
     id: int
     key: str | None = None
     timeout: float = 0.0
     found: bool = False
+    keys: list[str] | None = None
+    """``count``: how many of these leading keys are present."""
+    count: int = 0
 
 
 class PipeLookupBuffer(LookupBuffer):
@@ -61,6 +67,7 @@ class PipeLookupBuffer(LookupBuffer):
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[tuple[_PipeMessage, torch.Tensor | None]]] = {}
         self._pending_lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._servers = ThreadPoolExecutor(4, thread_name_prefix="kvmux-pipebuf")
         self._closed = False
         self._broken: Exception | None = None
@@ -82,12 +89,21 @@ class PipeLookupBuffer(LookupBuffer):
         reply, _ = self._request("contains", key, 0.0)
         return reply.found
 
+    def count_leading(self, keys: Sequence[BlockKey]) -> int:
+        """One round trip for the whole prefix, not one per key."""
+        msg = _PipeMessage(kind="count", id=next(self._ids), keys=[k.id for k in keys])
+        reply, _ = self._exchange(msg, 0.0)
+        return reply.count
+
     def address(self) -> dict[str, Any]:
         return self.pipe.address()
 
     def connect(self, address: Mapping[str, Any]) -> None:
-        if not self.pipe.connected:
-            self.pipe.connect(address)
+        # Several engine threads may make the first lookup at once; a pipe takes
+        # one peer, so only one of them may dial (the others would be refused).
+        with self._connect_lock:
+            if not self.pipe.connected:
+                self.pipe.connect(address)
 
     def close(self) -> None:
         if self._closed:
@@ -103,11 +119,14 @@ class PipeLookupBuffer(LookupBuffer):
     def _request(
         self, kind: Literal["contains", "drop"], key: BlockKey, wait: float
     ) -> tuple[_PipeMessage, torch.Tensor | None]:
+        msg = _PipeMessage(kind=kind, id=next(self._ids), key=key.id, timeout=wait)
+        return self._exchange(msg, wait)
+
+    def _exchange(self, msg: _PipeMessage, wait: float) -> tuple[_PipeMessage, torch.Tensor | None]:
         if self._closed:
             raise ClosedError("lookup buffer closed")
         if self._broken is not None:
             raise TransferError(f"pipe to peer is broken: {self._broken}")
-        msg = _PipeMessage(kind=kind, id=next(self._ids), key=key.id, timeout=wait)
         fut: Future[tuple[_PipeMessage, torch.Tensor | None]] = Future()
         with self._pending_lock:
             self._pending[msg.id] = fut
@@ -115,7 +134,7 @@ class PipeLookupBuffer(LookupBuffer):
             self._send(msg, None)
             return fut.result(timeout=wait + self.config.timeout_s)
         except TimeoutError:
-            raise TransferTimeout(f"peer did not answer {kind} for {key!r}") from None
+            raise TransferTimeout(f"peer did not answer {msg.kind} (id {msg.id})") from None
         finally:
             with self._pending_lock:
                 self._pending.pop(msg.id, None)
@@ -142,7 +161,7 @@ class PipeLookupBuffer(LookupBuffer):
                         fut.set_result((msg, payload))
                 else:
                     self._servers.submit(self._serve, msg)
-        except Exception as exc:  # noqa: BLE001 - the channel is dead; callers learn why
+        except Exception as exc:  # the channel is dead; waiting callers learn why
             if not self._closed:
                 self._broken = exc
             self._fail_pending(exc)
@@ -157,7 +176,27 @@ class PipeLookupBuffer(LookupBuffer):
             raise ProtocolError(f"malformed message header: {exc}") from None
 
     def _serve(self, msg: _PipeMessage) -> None:
-        assert msg.key is not None
+        try:
+            reply, payload, key = self._answer(msg)
+        except ValueError as exc:  # a request without its keys, or a malformed key id
+            reply, payload, key = _PipeMessage(kind="reply", id=msg.id), None, None
+            log.warning("peer sent a bad %s request: %s", msg.kind, exc)
+        try:
+            self._send(reply, payload)
+        except Exception:  # peer gone mid-reply: keep the block for a retry
+            if payload is not None and key is not None:
+                self.insert(key, payload)
+
+    def _answer(
+        self, msg: _PipeMessage
+    ) -> tuple[_PipeMessage, torch.Tensor | None, BlockKey | None]:
+        if msg.kind == "count":
+            keys = [BlockKey.from_id(k) for k in msg.keys or ()]
+            with self._cond:
+                count = next((i for i, k in enumerate(keys) if k not in self._store), len(keys))
+            return _PipeMessage(kind="reply", id=msg.id, count=count), None, None
+        if msg.key is None:
+            raise ValueError("no key")
         key = BlockKey.from_id(msg.key)
         payload: torch.Tensor | None = None
         with self._cond:
@@ -167,12 +206,7 @@ class PipeLookupBuffer(LookupBuffer):
                 found = payload is not None
             else:
                 found = key in self._store
-        reply = _PipeMessage(kind="reply", id=msg.id, found=found)
-        try:
-            self._send(reply, payload)
-        except Exception:  # noqa: BLE001 - peer gone mid-reply: keep the block for a retry
-            if payload is not None:
-                self.insert(key, payload)
+        return _PipeMessage(kind="reply", id=msg.id, found=found), payload, key
 
     def _fail_pending(self, exc: Exception) -> None:
         with self._pending_lock:
@@ -183,10 +217,16 @@ class PipeLookupBuffer(LookupBuffer):
 
 
 class BufferConnector(Connector):
-    """Any LookupBuffer as a Connector: one tensor of ``block_nbytes`` bytes per key.
+    """Any LookupBuffer as a Connector: one uint8 tensor per key, the block's bytes
+    behind a header holding the layout fingerprint.
 
-    A load asks ``contains`` first, so a key the buffer does not hold is
-    reported missing at once instead of after a full ``drop_select`` wait.
+    A buffer is raw bytes with no handshake, so the header is what stops an
+    instance with another layout from loading same-sized blocks of another
+    shape: the key fails instead. Keys themselves stay layout-free, because a
+    lookup may come from a process that holds no KV memory (an engine's
+    scheduler). A load asks ``contains`` first, so a key the buffer does not
+    hold is reported missing at once instead of after a full ``drop_select``
+    wait.
     """
 
     def __init__(self, buffer: LookupBuffer, config: BackendConfig) -> None:
@@ -196,31 +236,31 @@ class BufferConnector(Connector):
 
     def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         self._attach(source)
-        found = 0
-        for key in keys:
-            if not self.buffer.contains(key):
-                break
-            found += 1
-        return found
+        return self.buffer.count_leading(keys)
 
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        header = self._header()
+        nbytes = self.copier.block_nbytes
+
         def work() -> tuple[list[Outcome], int]:
             outcomes: list[Outcome] = []
-            nbytes = 0
             for key, block in zip(keys, block_ids, strict=True):
+                stored = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
+                stored[:_HEADER_BYTES] = header
+                self.copier.copy_out([block], stored[_HEADER_BYTES:].view(1, nbytes))
                 try:
-                    self.buffer.insert(key, self.copier.gather([block])[0])
-                except Exception as exc:  # noqa: BLE001 - per-key outcome
+                    self.buffer.insert(key, stored)
+                except Exception as exc:  # one key's failure is that key's outcome
                     outcomes.append(failed(f"insert failed: {exc}"))
                     continue
                 outcomes.append(OK)
-                nbytes += self.copier.block_nbytes
-            return outcomes, nbytes
+            return outcomes, nbytes * sum(o.ok for o in outcomes)
 
         return self._run(keys, work)
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        expected = self.copier.block_nbytes
+        header = self._header()
+        nbytes = self.copier.block_nbytes
 
         def one(key: BlockKey, block: int) -> Outcome:
             if not self.buffer.contains(key):
@@ -228,12 +268,18 @@ class BufferConnector(Connector):
             tensor = self.buffer.drop_select(key, self.config.timeout_s)
             if tensor is None:
                 return MISSING
-            if tensor.dtype != torch.uint8 or tensor.numel() != expected:
+            if tensor.dtype != torch.uint8 or tensor.numel() != _HEADER_BYTES + nbytes:
                 return failed(
                     f"block holds {tensor.numel()} {tensor.dtype} elements, "
-                    f"layout needs {expected} uint8"
+                    f"layout needs {_HEADER_BYTES + nbytes} uint8"
                 )
-            self.copier.copy_in([block], tensor.reshape(1, expected))
+            flat = tensor.reshape(-1)
+            if not torch.equal(flat[:_HEADER_BYTES], header):
+                return failed(
+                    "layout mismatch: the block was saved by an instance whose "
+                    "KV layout differs from this one's"
+                )
+            self.copier.copy_in([block], flat[_HEADER_BYTES:].view(1, nbytes))
             return OK
 
         def work() -> tuple[list[Outcome], int]:
@@ -242,11 +288,15 @@ class BufferConnector(Connector):
             for key, block in zip(keys, block_ids, strict=True):
                 try:
                     outcomes.append(one(key, block))
-                except Exception as exc:  # noqa: BLE001 - per-key outcome
+                except Exception as exc:  # one key's failure is that key's outcome
                     outcomes.append(failed(str(exc)))
-            return outcomes, expected * sum(o.ok for o in outcomes)
+            return outcomes, nbytes * sum(o.ok for o in outcomes)
 
         return self._run(keys, work)
+
+    def _header(self) -> torch.Tensor:
+        digest = bytes.fromhex(self.copier.layout.fingerprint())
+        return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
 
     def _attach(self, source: Address | None) -> None:
         if source is not None and self.capabilities.p2p:
@@ -257,3 +307,7 @@ class BufferConnector(Connector):
 
     def _close(self) -> None:
         self.buffer.close()
+
+
+_HEADER_BYTES = 16
+"""Length of the layout fingerprint in front of every block a BufferConnector stores."""

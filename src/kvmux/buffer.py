@@ -9,7 +9,7 @@ through order. Databases, key-value stores and caches fit here; wrap one in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +39,14 @@ class LookupBuffer(ABC):
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:
         """Whether ``drop_select(key)`` would return at once."""
+
+    def count_leading(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` ``contains`` would confirm. Override it when
+        the buffer can answer for many keys in one round trip."""
+        for i, key in enumerate(keys):
+            if not self.contains(key):
+                return i
+        return len(keys)
 
     def address(self) -> dict[str, Any] | None:
         """Where a remote peer reaches this buffer, if it is one end of a channel."""

@@ -93,7 +93,7 @@ class Connector(ABC):
         self._check_keys(keys)
         if not keys:
             return 0
-        found = max(0, min(len(keys), self._lookup(keys, source)))
+        found = max(0, min(len(keys), self._lookup(list(keys), source)))
         self._stats.add("lookup_calls")
         self._stats.add("lookup_hits", found)
         return found
@@ -157,8 +157,9 @@ class Connector(ABC):
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle: ...
 
     @abstractmethod
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        ...
+    def _load(
+        self, keys: list[BlockKey], block_ids: list[int], source: Address | None
+    ) -> Handle: ...
 
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
         """Hook: transports that pin or register memory do it here."""
@@ -195,6 +196,7 @@ class Connector(ABC):
         self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
     ) -> Handle:
         """Like ``_run`` but in the caller's thread: for work cheaper than a thread hop."""
+
         def submit(fn: Callable[[], TransferResult]) -> Future[TransferResult]:
             fut: Future[TransferResult] = Future()
             fut.set_result(fn())
@@ -228,8 +230,6 @@ class Connector(ABC):
         num_blocks = self.copier.num_blocks
         bad = [b for b in block_ids if not 0 <= int(b) < num_blocks]
         if bad:
-            raise InvalidRequestError(
-                f"block ids out of range [0, {num_blocks}): {bad[:5]}"
-            )
+            raise InvalidRequestError(f"block ids out of range [0, {num_blocks}): {bad[:5]}")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequestError("a block id appears twice in one call")

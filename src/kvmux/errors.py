@@ -27,7 +27,7 @@ class UnknownBackendError(KvmuxError, LookupError):
         self.suggestion = close[0] if close else None
         hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
         names = ", ".join(self.known) or "(none installed)"
-        super().__init__(f"unknown {group} backend {name!r}.{hint} Known: {names}.")
+        super().__init__(f"unknown backend {name!r} (looked in {group}).{hint} Known: {names}.")
 
 
 class BackendUnavailableError(KvmuxError, ImportError):

@@ -73,7 +73,10 @@ class Handle:
 
     @classmethod
     def completed(
-        cls, keys: Sequence[BlockKey], outcomes: Sequence[Outcome], nbytes: int = 0,
+        cls,
+        keys: Sequence[BlockKey],
+        outcomes: Sequence[Outcome],
+        nbytes: int = 0,
         seconds: float = 0.0,
     ) -> Handle:
         fut: Future[TransferResult] = Future()
@@ -95,7 +98,7 @@ class Handle:
             start = time.perf_counter()
             try:
                 outcomes, nbytes = work()
-            except Exception as exc:  # noqa: BLE001 - reported per key, by contract
+            except Exception as exc:
                 outcomes, nbytes = [failed(f"{type(exc).__name__}: {exc}")] * len(keys), 0
             if len(outcomes) != len(keys):
                 outcomes = [failed("backend returned a wrong number of outcomes")] * len(keys)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from functools import cached_property
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -107,13 +108,17 @@ class KVLayout(BaseModel):
     def block_nbytes(self) -> int:
         return sum(layer.block_nbytes for layer in self.layers)
 
-    def fingerprint(self) -> str:
-        """Stable hash of everything two peers must agree on (not the block count)."""
+    @cached_property
+    def _fingerprint(self) -> str:
         h = hashlib.blake2b(digest_size=16)
         h.update(str(self.block_size).encode())
         for layer in self.layers:
             h.update(f"|{layer.name}|{layer.block_shape}|{layer.dtype}".encode())
         return h.hexdigest()
+
+    def fingerprint(self) -> str:
+        """Stable hash of everything two peers must agree on (not the block count)."""
+        return self._fingerprint
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutError naming the first difference if blocks can't be exchanged."""

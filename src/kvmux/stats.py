@@ -14,7 +14,7 @@ class Stats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._seconds: Counter[str] = Counter()
+        self._seconds: dict[str, float] = {}
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -29,7 +29,8 @@ class Stats:
             self._counts[f"{op}_blocks_missing"] += statuses[Status.MISSING]
             self._counts[f"{op}_blocks_failed"] += statuses[Status.FAILED]
             self._counts[f"{op}_bytes"] += result.nbytes
-            self._seconds[f"{op}_seconds"] += result.seconds
+            name = f"{op}_seconds"
+            self._seconds[name] = self._seconds.get(name, 0.0) + result.seconds
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

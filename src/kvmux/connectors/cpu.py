@@ -40,7 +40,8 @@ class SlotPool:
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self._where: OrderedDict[BlockKey, int] = OrderedDict()
-        self._free = list(range(slots - 1, -1, -1))
+        self._free: list[int] = []  # released slots
+        self._unused = 0  # slots >= this were never handed out: O(1) set-up at any size
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -61,6 +62,9 @@ class SlotPool:
         ``protected`` if none is free; None if every slot is protected."""
         if self._free:
             slot = self._free.pop()
+        elif self._unused < self.slots:
+            slot = self._unused
+            self._unused += 1
         else:
             victim = next((k for k, s in self._where.items() if s not in protected), None)
             if victim is None:
@@ -101,6 +105,8 @@ class CpuPoolConnector(Connector):
                 f"{layout.block_nbytes} bytes"
             )
         with self._lock:
+            # Pages are committed on first write, so an idle pool costs no memory
+            # and creating one costs no time; the bound holds either way.
             self._pool = torch.empty((slots, layout.block_nbytes), dtype=torch.uint8)
             self._slots = SlotPool(slots)
 

@@ -137,5 +137,7 @@ def _canonical(dist: str) -> str:
 
 
 def _precedence(entry: BackendEntry) -> tuple[int, str]:
-    return (0 if _canonical(entry.distribution) == OWN_DISTRIBUTION else 1,
-            _canonical(entry.distribution))
+    return (
+        0 if _canonical(entry.distribution) == OWN_DISTRIBUTION else 1,
+        _canonical(entry.distribution),
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 from stevedore import driver
@@ -56,13 +56,13 @@ def load_class(entry: BackendEntry) -> type[Any]:
         failures.append(exc)
 
     try:
-        mgr = driver.DriverManager(
+        mgr: driver.DriverManager[Any] = driver.DriverManager(
             namespace=entry_point_group(entry.group),
             name=entry.name,
             invoke_on_load=False,
             on_load_failure_callback=on_failure,
         )
-        loaded: type[Any] = mgr.driver
+        loaded: type[Any] = cast(type[Any], mgr.driver)
     except NoUniqueMatch as exc:
         raise _import_failed(entry, failures[0] if failures else exc) from None
     return loaded
@@ -75,7 +75,7 @@ def _load_winner(entry: BackendEntry) -> type[Any]:
         if ep.dist is not None and ep.dist.metadata["Name"] == entry.distribution:
             try:
                 loaded: type[Any] = ep.load()
-            except Exception as exc:  # noqa: BLE001 - any import failure is "unavailable"
+            except Exception as exc:
                 raise _import_failed(entry, exc) from exc
             return loaded
     raise BackendUnavailableError(entry.name, entry.group, "entry point vanished")

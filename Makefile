@@ -1,0 +1,42 @@
+# The README's two commands: `make demo` and `make test` each set up everything
+# they need on a fresh machine (a .venv with torch's CPU build first, then kvmux
+# and its dev tools) and are cheap to repeat: set-up reruns only when
+# pyproject.toml changes.
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvmux-installed
+# torch first and pinned to the CPU build on disk: anything else pulls a
+# multi-GB CUDA build (shared/NOTES.md).
+TORCH  := torch==2.13.0
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -U pip
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/kvmux demo
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/kvmux bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,174 @@
+"""Save+load throughput of one backend, next to its baseline, in one run."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from kvmux.bench.baselines import memcpy_seconds, socket_seconds
+from kvmux.bench.shapes import Shape
+from kvmux.config import BackendConfig
+from kvmux.connector import Connector
+from kvmux.keys import chain_keys
+from kvmux.registry.loader import load_class, resolve
+
+
+class BenchRecord(BaseModel):
+    """One line of ``kvmux bench --json``."""
+
+    backend: str
+    shape: str
+    blocks: int
+    block_nbytes: int
+    gbps: float | None
+    save_gbps: float | None = None
+    load_gbps: float | None = None
+    baseline: str
+    baseline_gbps: float
+    ratio: float | None
+    lookup_ms_10k: float | None = None
+    """One lookup of 10,000 present keys (measured once per backend)."""
+    error: str | None = None
+
+
+SOCKET_BASELINE = {"tcp", "pipes:tcp"}
+"""Backends whose hardware bound is the loopback socket, not memory bandwidth."""
+
+
+def bench_backend(name: str, shape: Shape, repeats: int = 5) -> BenchRecord:
+    """Median save+load time of ``shape``'s blocks through ``name``; the baseline
+    runs on the same byte count in every round, right before the backend, so
+    both see the same machine."""
+    baseline = "socket" if name in SOCKET_BASELINE else "memcpy"
+    measure: Callable[[int], float] = socket_seconds if baseline == "socket" else memcpy_seconds
+    record: dict[str, Any] = dict(
+        backend=name,
+        shape=shape.name,
+        blocks=shape.blocks,
+        block_nbytes=shape.block_nbytes,
+        baseline=baseline,
+    )
+    base_times: list[float] = []
+    try:
+        save_s, load_s = _save_load_seconds(
+            name, shape, repeats, lambda: base_times.append(measure(shape.nbytes))
+        )
+    except Exception as exc:
+        base_gbps = shape.nbytes / statistics.median(base_times or [measure(shape.nbytes)]) / 1e9
+        return BenchRecord(
+            **record,
+            baseline_gbps=round(base_gbps, 3),
+            gbps=None,
+            ratio=None,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+    base_gbps = shape.nbytes / statistics.median(base_times) / 1e9
+    gbps = shape.nbytes / (save_s + load_s) / 1e9
+    return BenchRecord(
+        **record,
+        baseline_gbps=round(base_gbps, 3),
+        gbps=round(gbps, 3),
+        save_gbps=round(shape.nbytes / save_s / 1e9, 3),
+        load_gbps=round(shape.nbytes / load_s / 1e9, 3),
+        ratio=round(gbps / base_gbps, 3),
+    )
+
+
+def _save_load_seconds(
+    name: str, shape: Shape, repeats: int, baseline: Callable[[], None]
+) -> tuple[float, float]:
+    with ExitStack() as stack:
+        producer, consumer, source = stack.enter_context(_pair(name, shape))
+        gen = torch.Generator().manual_seed(1)
+        saves, loads = [], []
+        for rep in range(repeats + 1):  # the first round warms up
+            src = torch.randperm(shape.blocks, generator=gen).tolist()
+            dst = torch.randperm(shape.blocks, generator=gen).add(shape.blocks).tolist()
+            keys = chain_keys(range(shape.blocks * shape.tokens), shape.tokens, f"bench{rep}")
+            if rep:
+                baseline()
+            t0 = time.perf_counter()
+            saved = producer.save(keys, src).result()
+            t1 = time.perf_counter()
+            loaded = consumer.load(keys, dst, source).result()
+            t2 = time.perf_counter()
+            if not (saved.ok and loaded.ok):
+                bad = (saved.not_ok + loaded.not_ok)[0]
+                raise RuntimeError(f"transfer incomplete: {bad[1].status} {bad[1].reason}")
+            if rep:
+                saves.append(t1 - t0)
+                loads.append(t2 - t1)
+        _check_last_batch(producer, consumer, src, dst)
+        return statistics.median(saves), statistics.median(loads)
+
+
+def _check_last_batch(
+    producer: Connector, consumer: Connector, src: list[int], dst: list[int]
+) -> None:
+    """A benchmark of wrong bytes is worthless: compare a few blocks."""
+    for i in (0, len(src) // 2, len(src) - 1):
+        if not torch.equal(producer.copier.gather([src[i]]), consumer.copier.gather([dst[i]])):
+            raise RuntimeError(f"block {src[i]} arrived corrupted")
+
+
+@contextmanager
+def _pair(name: str, shape: Shape) -> Iterator[tuple[Connector, Connector, dict[str, Any] | None]]:
+    """Producer and consumer (one instance unless the backend is P2P), registered
+    with room for the batch twice over."""
+    from kvmux.registry.factory import create_connector
+
+    with tempfile.TemporaryDirectory(prefix="kvmux-bench-") as tmp:
+        config = _config_for(name, shape, Path(tmp))
+        caches = shape.caches(2 * shape.blocks)
+        producer = create_connector(config)
+        try:
+            producer.register(shape.layout(caches), caches)
+            if not producer.capabilities.p2p:
+                yield producer, producer, None
+                return
+            other = shape.caches(2 * shape.blocks, seed=1)
+            consumer = create_connector(config)
+            try:
+                consumer.register(shape.layout(other), other)
+                yield producer, consumer, producer.address()
+            finally:
+                consumer.close()
+        finally:
+            producer.close()
+
+
+def _config_for(name: str, shape: Shape, tmp: Path) -> dict[str, Any]:
+    """The backend's defaults, plus room for the batch and a directory where wanted."""
+    model: type[BackendConfig] = getattr(load_class(resolve(name)), "config_model", BackendConfig)
+    config: dict[str, Any] = {"backend": name}
+    if "capacity_bytes" in model.model_fields:
+        config["capacity_bytes"] = 4 * shape.nbytes
+    for field, info in model.model_fields.items():
+        if info.annotation is Path and info.is_required():
+            config[field] = str(tmp / field)
+    return config
+
+
+def lookup_ms(name: str, n: int = 10_000) -> float:
+    """Milliseconds for one ``lookup`` of ``n`` keys that are all present (tiny blocks)."""
+    shape = Shape("lookup", blocks=n, layers=1, tokens=1, heads=1, head_dim=8)
+    with _pair(name, shape) as (producer, consumer, source):
+        keys = chain_keys(range(n), 1, "lookup")
+        if not producer.save(keys, list(range(n))).result().ok:
+            raise RuntimeError("saving the lookup keys failed")
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            found = consumer.lookup(keys, source)
+            times.append(time.perf_counter() - start)
+        if found != n:
+            raise RuntimeError(f"lookup found {found} of {n} keys")
+        return statistics.median(times) * 1e3

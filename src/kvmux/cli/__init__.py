@@ -1,0 +1,1 @@
+"""The ``kvmux`` command line: one module per subcommand, imported only when used."""

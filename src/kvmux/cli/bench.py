@@ -1,0 +1,85 @@
+"""``kvmux bench``: each backend's save+load throughput beside its baseline, same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvmux.bench.shapes import SHAPES
+
+if TYPE_CHECKING:
+    from kvmux.bench.transfer import BenchRecord
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME",
+        help="backend to measure (repeatable; default: every available connector)",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        choices=sorted(SHAPES),
+        help="block shape (repeatable; default: all)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per figure (median)")
+    parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvmux.bench.transfer import bench_backend, lookup_ms
+
+    backends = args.backend or _available_connectors()
+    shapes = [SHAPES[name] for name in (args.shape or SHAPES)]
+    records: list[BenchRecord] = []
+    with tqdm(total=len(backends) * (len(shapes) + 1), desc="kvmux bench", file=sys.stderr) as bar:
+        for backend in backends:
+            bar.set_postfix_str(f"{backend} lookup")
+            try:
+                lookup: float | None = round(lookup_ms(backend), 3)
+            except Exception:
+                lookup = None
+            bar.update()
+            for shape in shapes:
+                bar.set_postfix_str(f"{backend} {shape.name}")
+                record = bench_backend(backend, shape, args.repeats)
+                records.append(record.model_copy(update={"lookup_ms_10k": lookup}))
+                bar.update()
+    if args.json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+    else:
+        print(_table(records))
+    return 1 if any(r.error for r in records) else 0
+
+
+def _available_connectors() -> list[str]:
+    from kvmux.registry.entries import scan
+
+    return [e.name for e in scan("connectors") if e.unavailable_reason() is None]
+
+
+def _table(records: Sequence[BenchRecord]) -> str:
+    head = (
+        f"{'backend':<10} {'shape':<11} {'GB/s':>6} {'save':>6} {'load':>6}  "
+        f"{'baseline':<8} {'GB/s':>6} {'ratio':>6} {'lookup10k':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for rec in records:
+        if rec.error:
+            lines.append(f"{rec.backend:<10} {rec.shape:<11} error: {rec.error}")
+            continue
+        lookup = f"{rec.lookup_ms_10k:.2f} ms" if rec.lookup_ms_10k is not None else "-"
+        lines.append(
+            f"{rec.backend:<10} {rec.shape:<11} {rec.gbps:>6.2f} {rec.save_gbps:>6.2f} "
+            f"{rec.load_gbps:>6.2f}  {rec.baseline:<8} {rec.baseline_gbps:>6.2f} {rec.ratio:>6.2f} "
+            f"{lookup:>10}"
+        )
+    lines.append("GB/s = batch bytes / (save + load time); ratio = GB/s / baseline GB/s")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""``kvmux list``: every declared backend, its owner, and whether it can load here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvmux.registry.entries import GROUPS, BackendEntry, scan_all
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON array")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="import each backend to confirm it loads (slow; the default reads metadata only)",
+    )
+    parser.add_argument("--group", choices=GROUPS, help="only this entry-point group")
+
+
+def records(check: bool = False, group: str | None = None) -> list[dict[str, Any]]:
+    out = []
+    for entry in scan_all():
+        if group is not None and entry.group != group:
+            continue
+        reason = _reason(entry, check)
+        out.append(
+            {
+                "name": entry.name,
+                "group": entry.group,
+                "distribution": entry.distribution,
+                "version": entry.version,
+                "available": reason is None,
+                "reason": reason,
+                "entry_point": entry.value,
+                "shadowed_by": entry.shadowed_by,
+            }
+        )
+    return out
+
+
+def _reason(entry: BackendEntry, check: bool) -> str | None:
+    if not check or entry.unavailable_reason() is not None:
+        return entry.unavailable_reason()
+    from kvmux.registry.loader import load_check  # imports stevedore only when asked
+
+    return load_check(entry)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = records(check=args.check, group=args.group)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(_table(rows))
+    return 0
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("GROUP", "NAME", "DISTRIBUTION", "VERSION", "STATUS")
+    lines = [
+        (
+            r["group"],
+            r["name"],
+            r["distribution"],
+            r["version"],
+            "available" if r["available"] else f"unavailable: {r['reason']}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=False)][:4]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    return "\n".join(fmt.format(*line) for line in [header, *lines])

@@ -1,0 +1,64 @@
+"""``kvmux`` entry point: dispatches to one subcommand module.
+
+Subcommand modules are imported lazily so ``kvmux list`` never pays for
+torch or a backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvmux.errors import KvmuxError
+
+_COMMANDS = {
+    "list": ("kvmux.cli.listing", "show installed backends and whether they can load here"),
+    "schema": ("kvmux.cli.schema", "print a backend's config JSON schema"),
+    "bench": ("kvmux.cli.bench", "measure save+load throughput next to memcpy / raw sockets"),
+    "demo": ("kvmux.cli.demo", "prefill -> decode hand-off between two processes"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmux", description="Move LLM KV cache blocks through any backend, by name."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in _COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser_for(argv).parse_args(argv)
+    try:
+        code: int = importlib.import_module(_COMMANDS[args.command][0]).run(args)
+    except KvmuxError as exc:
+        print(f"kvmux: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head` and friends
+        sys.stderr.close()
+        return 0
+    return code
+
+
+def _parser_for(argv: Sequence[str] | None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported to build its arguments."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args if not a.startswith("-")), None)
+    if chosen not in _COMMANDS:
+        return build_parser()
+    parser = argparse.ArgumentParser(prog="kvmux")
+    sub = parser.add_subparsers(dest="command", required=True)
+    module, help_text = _COMMANDS[chosen]
+    importlib.import_module(module).add_arguments(
+        sub.add_parser(chosen, help=help_text, description=help_text)
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""``tcp``: the producer serves its pool, the consumer pulls over a socket.
+
+The cross-host default. One ``fetch`` request names a whole batch of keys;
+the producer answers which it has, pins their slots and streams them with
+gather writes straight from the pool (no copy of ours on the way out); the
+consumer scatters them with ``recvmsg_into`` straight into the blocks' byte
+ranges of KV memory (:mod:`kvmux.net.kv_views`), or, for memory that is not
+plain contiguous host memory, into a reused staging buffer that is copied
+into the blocks in runs. A producer that dies or stalls midway leaves
+the keys that arrived ``ok`` and fails the rest, within ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from kvmux.errors import CapacityError, ProtocolError, TransferError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
+from kvmux.net.client import Link
+from kvmux.net.kv_views import KVViews
+from kvmux.net.memory import byte_view
+from kvmux.net.messages import HEADER_SLACK, Blocks, FetchReply, FetchRequest, Message, expect
+from kvmux.net.served_pool import PullInterrupted, ServedPoolConfig, ServedPoolConnector
+from kvmux.net.server import Handler, Session
+
+_STAGING_BYTES = 4 * 2**20
+"""Per loading thread, for KV memory that cannot be read into directly."""
+
+
+class TcpConfig(ServedPoolConfig):
+    backend: str = "tcp"
+
+
+class TcpConnector(ServedPoolConnector):
+    """Pool + server + puller over TCP. See the module docstring."""
+
+    config_model = TcpConfig
+    config: TcpConfig
+    service = "tcp"
+
+    def __init__(self, config: TcpConfig) -> None:
+        super().__init__(config)
+        self._pool_bytes: memoryview | None = None
+        self._kv: KVViews | None = None
+        self._staging = threading.local()
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        if layout.block_nbytes + HEADER_SLACK > self.config.max_frame_bytes:
+            raise CapacityError(
+                f"a block of {layout.block_nbytes} bytes does not fit in one frame of "
+                f"max_frame_bytes={self.config.max_frame_bytes}"
+            )
+        super()._register(layout, caches)
+        self._kv = KVViews.of(layout, caches)
+
+    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        # zeros, not empty: the pages are committed now (the bound is real memory)
+        # and no save pays for page faults.
+        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
+        self._pool_bytes = byte_view(pool)
+        return pool
+
+    def _handlers(self) -> dict[type[Message], Handler]:
+        return {FetchRequest: self._serve_fetch}
+
+    # ------------------------------------------------------------------ producer
+
+    def _serve_fetch(self, session: Session, req: FetchRequest) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        if self._layout_refused(session):
+            return
+        keys = list(req.block_keys())
+        with self._lock:
+            pool = self._pool_bytes if self._pool is not None else None
+            slots = [self._slots.find(key) if pool is not None else None for key in keys]
+            found = [slot for slot in slots if slot is not None]
+            self._slots.pin(found)
+        try:
+            nbytes = self.copier.block_nbytes if pool is not None else 0
+            hits = [slot is not None for slot in slots]
+            session.send(FetchReply(found=hits, block_nbytes=nbytes), deadline=deadline)
+            if pool is None:
+                return
+            per_frame = max(1, (session.frame_limit - HEADER_SLACK) // nbytes)
+            for first in range(0, len(found), per_frame):
+                chunk = found[first : first + per_frame]
+                session.send(
+                    Blocks(first=first, count=len(chunk), nbytes=len(chunk) * nbytes),
+                    _rows(pool, chunk, nbytes),
+                    deadline=deadline,
+                )
+        finally:
+            with self._lock:
+                self._slots.unpin(found)
+
+    # ------------------------------------------------------------------ consumer
+
+    def _pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> tuple[list[Outcome], int]:
+        chan = link.channel
+        chan.send(FetchRequest.of(keys), deadline=deadline)
+        reply = expect(chan.recv(deadline), FetchReply)
+        nbytes = self.copier.block_nbytes
+        if len(reply.found) != len(keys) or (any(reply.found) and reply.block_nbytes != nbytes):
+            raise ProtocolError(
+                f"fetch reply for {len(reply.found)} blocks of {reply.block_nbytes} bytes, "
+                f"asked for {len(keys)} of {nbytes}"
+            )
+        wanted = [block for block, hit in zip(block_ids, reply.found, strict=True) if hit]
+        arrived = 0
+        try:
+            for count in self._receive(link, wanted, deadline):
+                arrived = count
+        except TransferError as exc:
+            reason = f"{type(exc).__name__}: {chan.peer} broke off mid-transfer: {exc}"
+            raise PullInterrupted(str(exc), _outcomes(reply.found, arrived, reason)) from None
+        return _outcomes(reply.found, arrived, ""), arrived * nbytes
+
+    def _receive(self, link: Link, blocks: list[int], deadline: float) -> Iterator[int]:
+        """Read one fetch's blocks frames into ``blocks``, yielding how many have
+        arrived whole so far; if the stream breaks, it yields the final count once
+        more (those blocks are in place) before the error propagates.
+
+        A frame is read straight into the blocks' ranges of KV memory in one
+        scatter read, or, where memory does not allow that, through staging rows
+        that are copied in afterwards.
+        """
+        chan = link.channel
+        nbytes = self.copier.block_nbytes
+        done = 0
+        while done < len(blocks):
+            frame = expect(chan.recv(deadline), Blocks)
+            if (
+                frame.first != done
+                or frame.count > len(blocks) - done
+                or frame.nbytes != frame.count * nbytes
+            ):
+                raise ProtocolError(
+                    f"blocks frame {frame.first}+{frame.count} ({frame.nbytes} bytes) "
+                    f"out of step at block {done} of {len(blocks)}"
+                )
+            end = done + frame.count
+            while done < end:
+                staging: torch.Tensor | None = None
+                if self._kv is not None:
+                    group = blocks[done:end]
+                    views = self._kv.views(group)
+                else:
+                    staging, staging_bytes = self._staging_buffer(nbytes)
+                    group = blocks[done : min(end, done + staging.shape[0])]
+                    views = [
+                        staging_bytes[i * nbytes : (i + 1) * nbytes] for i in range(len(group))
+                    ]
+                before = chan.bytes_delivered
+                try:
+                    chan.recv_into(views, deadline)
+                except TransferError:
+                    whole = (chan.bytes_delivered - before) // nbytes
+                    if staging is not None:
+                        self.copier.copy_in(group[:whole], staging)
+                    yield done + whole
+                    raise
+                if staging is not None:
+                    self.copier.copy_in(group, staging)
+                done += len(group)
+                yield done
+
+    def _staging_buffer(self, block_nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        staging: torch.Tensor | None = getattr(self._staging, "tensor", None)
+        if staging is None or staging.shape[1] != block_nbytes:
+            rows = max(1, _STAGING_BYTES // block_nbytes)
+            staging = torch.empty((rows, block_nbytes), dtype=torch.uint8)
+            self._staging.tensor, self._staging.bytes = staging, byte_view(staging)
+        view: memoryview = self._staging.bytes
+        return staging, view
+
+    def _close(self) -> None:
+        super()._close()
+        self._pool_bytes = None
+
+
+def _rows(pool: memoryview, slots: list[int], nbytes: int) -> list[memoryview]:
+    """Views of the pool rows ``slots``, consecutive slots merged into one view."""
+    views: list[memoryview] = []
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        views.append(pool[slots[i] * nbytes : (slots[j - 1] + 1) * nbytes])
+        i = j
+    return views
+
+
+def _outcomes(found: list[bool], arrived: int, reason: str) -> list[Outcome]:
+    """OK for the first ``arrived`` found keys, failed for the found rest, else MISSING."""
+    outcomes: list[Outcome] = []
+    seen = 0
+    for hit in found:
+        if not hit:
+            outcomes.append(MISSING)
+            continue
+        outcomes.append(OK if seen < arrived else failed(reason))
+        seen += 1
+    return outcomes

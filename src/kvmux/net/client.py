@@ -1,0 +1,155 @@
+"""The consumer side of a pool connection: handshaken links, cached per peer.
+
+Connecting and handshaking cost a round trip or two, so links are kept after
+a clean exchange and reused (a few per peer, one per concurrent transfer).
+A cached link may have died with its peer since; if it fails before the peer
+sent a single byte of the answer, the exchange is retried once on a fresh
+link. Any other failure closes the link: a stream in an unknown state is
+never reused.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvmux.errors import ClosedError, TransferError, TransferTimeout
+from kvmux.net.frames import Channel, Limits
+from kvmux.net.handshake import PeerInfo, join_handshake
+from kvmux.net.messages import PEER_PROTOCOL, Service
+
+T = TypeVar("T")
+_IDLE_PER_PEER = 4
+
+
+@dataclass(eq=False)
+class Link:
+    """A handshaken connection to one peer (hashed by identity)."""
+
+    endpoint: tuple[str, int]
+    channel: Channel
+    peer: PeerInfo
+    header_budget: int
+    """Largest request header both sides accept."""
+
+
+class PeerClient:
+    def __init__(
+        self,
+        *,
+        service: Service,
+        limits: Limits,
+        secret: str | None,
+        layout: Callable[[], str | None],
+    ) -> None:
+        self._service = service
+        self._limits = limits
+        self._secret = secret
+        self._layout = layout
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[Link]] = {}
+        self._busy: set[Link] = set()
+        self._closed = False
+
+    def call(self, peer: tuple[str, int], deadline: float, exchange: Callable[[Link], T]) -> T:
+        """Run ``exchange`` on a link to ``peer``; the link returns to the cache only if
+        ``exchange`` returned and left its channel in step."""
+        link, reused = self._checkout(peer, deadline)
+        received = link.channel.bytes_received
+        try:
+            return self._use(peer, link, exchange)
+        except TransferError as exc:
+            answered = link.channel.bytes_received != received
+            if not reused or answered or isinstance(exc, TransferTimeout):
+                raise
+        # A cached link the peer had closed (it restarted, or dropped idle links):
+        # the others are likely stale too; one retry on a fresh connection.
+        self.forget(peer)
+        link, _ = self._checkout(peer, deadline)
+        return self._use(peer, link, exchange)
+
+    def _use(self, peer: tuple[str, int], link: Link, exchange: Callable[[Link], T]) -> T:
+        try:
+            result = exchange(link)
+        except BaseException:
+            self._discard(link)
+            raise
+        self._checkin(peer, link)
+        return result
+
+    def forget(self, peer: tuple[str, int]) -> None:
+        """Close the idle links to ``peer`` (it failed; the next call reconnects)."""
+        with self._lock:
+            links = self._idle.pop(peer, [])
+        for link in links:
+            link.channel.close()
+
+    def close(self) -> None:
+        """Close every link, waking transfers in flight (they fail). Idempotent."""
+        with self._lock:
+            self._closed = True
+            links = [link for idle in self._idle.values() for link in idle]
+            links.extend(self._busy)
+            self._idle.clear()
+        for link in links:
+            link.channel.close()
+
+    def _checkout(self, peer: tuple[str, int], deadline: float) -> tuple[Link, bool]:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("connector is closed")
+            idle = self._idle.get(peer)
+            if idle:
+                link = idle.pop()
+                self._busy.add(link)
+                return link, True
+        link = self._connect(peer, deadline)
+        with self._lock:
+            if self._closed:
+                link.channel.close()
+                raise ClosedError("connector is closed")
+            self._busy.add(link)
+        return link, False
+
+    def _checkin(self, peer: tuple[str, int], link: Link) -> None:
+        with self._lock:
+            self._busy.discard(link)
+            idle = self._idle.setdefault(peer, [])
+            if not self._closed and not link.channel.broken and len(idle) < _IDLE_PER_PEER:
+                idle.append(link)
+                return
+        link.channel.close()
+
+    def _discard(self, link: Link) -> None:
+        with self._lock:
+            self._busy.discard(link)
+        link.channel.close()
+
+    def _connect(self, peer: tuple[str, int], deadline: float) -> Link:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"no time left to connect to {peer[0]}:{peer[1]}")
+        try:
+            sock = socket.create_connection(peer, timeout=left)
+        except TimeoutError:
+            raise TransferTimeout(f"connecting to {peer[0]}:{peer[1]} timed out") from None
+        except OSError as exc:
+            raise TransferError(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
+        chan = Channel(sock, PEER_PROTOCOL, self._limits)
+        try:
+            info = join_handshake(
+                chan,
+                service=self._service,
+                layout=self._layout(),
+                secret=self._secret,
+                deadline=deadline,
+            )
+        except BaseException:
+            chan.close()
+            raise
+        budget = min(self._limits.max_header_bytes, info.limits.max_header_bytes)
+        return Link(peer, chan, info, budget)

@@ -1,0 +1,348 @@
+"""What ``tcp`` and ``shm`` share: a bounded pool that peers pull from.
+
+Every instance is both a producer and a consumer. ``save`` copies blocks into
+the pool (as ``cpu`` does, so the engine may reuse its blocks once the handle
+finishes); a server thread, listening from construction, answers peers'
+lookups and serves their pulls; ``load(source=None)`` reads the own pool (the
+``kv_both`` reuse case) and ``load(source=address)`` pulls from a peer. How
+the bytes of a pull travel is the subclass's business: over the socket
+(``tcp``) or through a shared segment (``shm``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from kvmux.capabilities import Capabilities
+from kvmux.config import BackendConfig
+from kvmux.connector import Address, Connector, Health
+from kvmux.errors import CapacityError, InvalidRequestError, KvmuxError, TransferError
+from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
+from kvmux.net.client import Link, PeerClient
+from kvmux.net.frames import Limits
+from kvmux.net.handshake import layout_mismatch
+from kvmux.net.messages import (
+    Error,
+    LookupReply,
+    LookupRequest,
+    Message,
+    Service,
+    expect,
+    key_batches,
+)
+from kvmux.net.server import FrameServer, Handler, Session
+from kvmux.net.slots import PinnedSlots
+
+log = logging.getLogger(__name__)
+
+
+class ServedPoolConfig(BackendConfig):
+    capacity_bytes: int = Field(
+        256 * 2**20, gt=0, description="hard bound on the pool's memory, in bytes"
+    )
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    port: int = Field(0, ge=0, le=65535, description="listening port; 0 picks a free one")
+    secret: SecretStr | None = Field(
+        None, description="shared secret both peers must prove (HMAC); never sent"
+    )
+    max_frame_bytes: int = Field(
+        64 * 2**20, ge=2**16, description="largest frame accepted from a peer, header included"
+    )
+    max_header_bytes: int = Field(
+        2**20, ge=2**16, description="largest frame header accepted from a peer"
+    )
+
+
+class PeerAddress(BaseModel):
+    """The parts of an ``address()`` a consumer uses; other fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    host_id: str | None = None
+
+    @classmethod
+    def parse(cls, address: Address) -> PeerAddress:
+        try:
+            return cls.model_validate(dict(address))
+        except (TypeError, ValueError, ValidationError) as exc:
+            raise InvalidRequestError(f"not a peer address: {address!r} ({exc})") from None
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+class PullInterrupted(TransferError):
+    """A pull that broke off midway: ``outcomes`` are final for the first keys of
+    the batch (those that arrived whole), the rest fail with this error."""
+
+    def __init__(self, message: str, outcomes: list[Outcome]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+class ServedPoolConnector(Connector):
+    """Base of the pool-serving P2P connectors; subclasses say where the pool lives,
+    which extra requests the server answers, and how a remote load moves bytes."""
+
+    capabilities = Capabilities(p2p=True, capacity_bound=True)
+    service: ClassVar[Service]
+    config: ServedPoolConfig
+
+    def __init__(self, config: ServedPoolConfig) -> None:
+        super().__init__(config)
+        self._lock = threading.Lock()
+        self._pool: torch.Tensor | None = None
+        self._slots = PinnedSlots(0)
+        self._fingerprint: str | None = None
+        secret = config.secret.get_secret_value() if config.secret is not None else None
+        self._limits = Limits(config.max_header_bytes, config.max_frame_bytes)
+        self._client = PeerClient(
+            service=self.service,
+            limits=self._limits,
+            secret=secret,
+            layout=lambda: self._fingerprint,
+        )
+        self._server = FrameServer(
+            host=config.host,
+            port=config.port,
+            service=self.service,
+            limits=self._limits,
+            timeout_s=config.timeout_s,
+            secret=secret,
+            layout=lambda: self._fingerprint,
+            handlers={LookupRequest: self._serve_lookup, **self._handlers()},
+            on_close=self._session_closed,
+        )
+
+    # ------------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        """The ``[slots, block_nbytes]`` uint8 pool tensor."""
+
+    @abstractmethod
+    def _handlers(self) -> dict[type[Message], Handler]:
+        """Server handlers for the subclass's own requests."""
+
+    @abstractmethod
+    def _pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> tuple[list[Outcome], int]:
+        """One request's worth of a remote load over ``link``: per-key outcomes and
+        bytes moved. Raises TransferError if the exchange failed, PullInterrupted
+        if it failed after some keys had their final outcome."""
+
+    def _session_closed(self, session: Session) -> None:
+        """Hook: a peer's connection ended."""
+
+    def _check_peer(self, peer: PeerAddress) -> None:
+        """Hook: refuse a peer this transport cannot reach (raise TransferError)."""
+
+    def _forget_peer(self, peer: PeerAddress) -> None:
+        """Hook: drop anything cached for a peer that failed."""
+
+    # ------------------------------------------------------------------ storage
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        slots = self.config.capacity_bytes // layout.block_nbytes
+        if slots == 0:
+            raise CapacityError(
+                f"capacity_bytes={self.config.capacity_bytes} holds no block of "
+                f"{layout.block_nbytes} bytes"
+            )
+        pool = self._make_pool(slots, layout.block_nbytes)
+        with self._lock:
+            self._pool = pool
+            self._slots = PinnedSlots(slots)
+            self._fingerprint = layout.fingerprint()
+
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+        if source is None:
+            with self._lock:
+                return self._slots.prefix(keys)
+        peer = PeerAddress.parse(source)
+        found = 0
+        try:
+            self._check_peer(peer)
+            deadline = time.monotonic() + self.config.timeout_s
+            found = self._client.call(
+                peer.endpoint, deadline, lambda link: self._ask_prefix(link, keys, deadline)
+            )
+        except KvmuxError as exc:
+            self._stats.add("lookup_errors")
+            log.warning("kvmux %s: lookup at %s:%s failed: %s", self.service, *peer.endpoint, exc)
+            self._forget(peer)
+        return found
+
+    @staticmethod
+    def _ask_prefix(link: Link, keys: list[BlockKey], deadline: float) -> int:
+        found = 0
+        for batch in key_batches(keys, link.header_budget):
+            link.channel.send(LookupRequest.of(keys[batch.start : batch.stop]), deadline=deadline)
+            count = expect(link.channel.recv(deadline), LookupReply).count
+            found += count
+            if count < len(batch):
+                break
+        return found
+
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        return self._run_now(keys, lambda: self._save_batch(keys, block_ids))
+
+    def _save_batch(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
+        pool = self._pool
+        assert pool is not None
+        outcomes: list[Outcome] = [OK] * len(keys)
+        blocks: list[int] = []
+        rows: list[int] = []
+        with self._lock:
+            self._slots.reap(time.monotonic())
+            # Pinned slots and the slots written by this batch are protected, so a
+            # batch larger than the pool evicts its own oldest blocks last, never
+            # mid-copy, and never a slot a peer is reading.
+            protected = self._slots.protected()
+            for i, (key, block) in enumerate(zip(keys, block_ids, strict=True)):
+                if self._slots.keep(key):
+                    continue  # same key, same content: stored already
+                slot = self._slots.allocate(key, protected)
+                if slot is None:
+                    self.copier.copy_out(blocks, pool, rows)
+                    blocks, rows, protected = [], [], self._slots.protected()
+                    slot = self._slots.allocate(key, protected)
+                if slot is None:
+                    outcomes[i] = failed("every pool slot is pinned by transfers to peers")
+                    continue
+                protected.add(slot)
+                blocks.append(block)
+                rows.append(slot)
+            self.copier.copy_out(blocks, pool, rows)
+        return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        if source is None:
+            return self._run_now(keys, lambda: self._load_local(keys, block_ids))
+        peer = PeerAddress.parse(source)
+        return self._run(keys, lambda: self._load_remote(peer, keys, block_ids))
+
+    def _load_local(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
+        pool = self._pool
+        assert pool is not None
+        outcomes: list[Outcome] = []
+        blocks: list[int] = []
+        rows: list[int] = []
+        with self._lock:
+            for key, block in zip(keys, block_ids, strict=True):
+                slot = self._slots.find(key)
+                if slot is None:
+                    outcomes.append(MISSING)
+                    continue
+                outcomes.append(OK)
+                blocks.append(block)
+                rows.append(slot)
+            self.copier.copy_in(blocks, pool, rows)
+        return outcomes, len(blocks) * self.copier.block_nbytes
+
+    def _load_remote(
+        self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int]
+    ) -> tuple[list[Outcome], int]:
+        """Pull batch by batch over one link; once a batch fails, the rest fail with it."""
+        deadline = time.monotonic() + self.config.timeout_s
+        self._check_peer(peer)
+        outcomes: list[Outcome] = []
+        nbytes = 0
+
+        def exchange(link: Link) -> None:
+            nonlocal nbytes
+            for batch in key_batches(keys, link.header_budget):
+                got, moved = self._pull(
+                    link,
+                    keys[batch.start : batch.stop],
+                    block_ids[batch.start : batch.stop],
+                    deadline,
+                )
+                outcomes.extend(got)
+                nbytes += moved
+
+        try:
+            self._client.call(peer.endpoint, deadline, exchange)
+        except KvmuxError as exc:
+            self._forget(peer)
+            if isinstance(exc, PullInterrupted):
+                outcomes.extend(exc.outcomes)
+            reason = f"{type(exc).__name__}: pulling from {peer.host}:{peer.port}: {exc}"
+            outcomes.extend([failed(reason)] * (len(keys) - len(outcomes)))
+        return outcomes, nbytes
+
+    def _forget(self, peer: PeerAddress) -> None:
+        self._client.forget(peer.endpoint)
+        self._forget_peer(peer)
+
+    def _release(self, keys: list[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._slots.release(key)
+
+    # ------------------------------------------------------------------- server
+
+    def _layout_refused(self, session: Session) -> bool:
+        """Re-check the layout per request: a client that joined before this
+        instance registered must still never receive blocks of another layout."""
+        mismatch = layout_mismatch(self._fingerprint, session.peer.layout)
+        if mismatch is None and session.peer.layout is None and self._fingerprint is not None:
+            mismatch = "the client registered no KV layout; it cannot receive blocks"
+        if mismatch is None:
+            return False
+        session.send(Error(code="layout_mismatch", message=mismatch))
+        return True
+
+    def _serve_lookup(self, session: Session, req: LookupRequest) -> None:
+        keys = list(req.block_keys())  # parsed before taking the lock saves wait on
+        with self._lock:
+            count = self._slots.prefix(keys)
+        session.send(LookupReply(count=count))
+
+    # ------------------------------------------------------------------- public
+
+    def address(self) -> dict[str, Any]:
+        return {"host": self._server.host, "port": self._server.port, "layout": self._fingerprint}
+
+    def health(self) -> Health:
+        if self._closed:
+            return Health(False, "closed")
+        if not self._server.alive:
+            return Health(False, "server thread is not running; peers cannot pull")
+        return Health(True)
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        with self._lock:
+            out.update(
+                blocks_stored=len(self._slots),
+                capacity_blocks=self._slots.slots,
+                evictions=self._slots.evictions,
+                pinned_blocks=self._slots.pinned,
+            )
+        out.update(
+            server_connections=self._server.connections,
+            rejected_connections=self._server.rejected,
+        )
+        return out
+
+    def _close(self) -> None:
+        self._server.close()
+        self._client.close()
+        with self._lock:
+            self._pool = None
+            self._slots = PinnedSlots(0)

@@ -1,0 +1,144 @@
+"""Deliberately broken connectors: each breaks one promise the conformance suite checks.
+
+They are small subclasses of the working ``cpu`` pool, so everything except
+the one broken behaviour is right, and ``test_suite_has_teeth`` can show that
+the suite fails exactly the tests about that behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pydantic import ConfigDict
+
+from kvmux.capabilities import Capabilities
+from kvmux.connector import Address, Connector
+from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.handle import MISSING, OK, Handle, Outcome, Status, failed
+from kvmux.keys import BlockKey
+
+POOL_BYTES = 2**20
+"""Small pools register fast; the suite's capacity tests pass their own size."""
+
+
+class CorruptsOnLoad(CpuPoolConnector):
+    """Flips one byte of the first block of every load (a bad copy routine)."""
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        handle = super()._load(keys, block_ids, source)
+        result = handle.result()
+        if block_ids and result.outcomes[0].ok:
+            row = self.copier.gather(block_ids[:1])
+            row[0, 7] ^= 0x01
+            self.copier.copy_in(block_ids[:1], row)
+        return handle
+
+
+class CountsEveryHit(CpuPoolConnector):
+    """``lookup`` counts every key it holds, ignoring prefix semantics."""
+
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+        with self._lock:
+            return sum(key in self._slots for key in keys)
+
+
+class OkForMissing(CpuPoolConnector):
+    """Reports ``ok`` for keys it does not have (leaving their blocks as they were)."""
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        result = super()._load(keys, block_ids, source).result()
+        return Handle.completed(keys, [OK] * len(keys), result.nbytes)
+
+
+class ZeroesMissingBlocks(CpuPoolConnector):
+    """Reports missing keys honestly but clears their blocks first (a scratch write)."""
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        result = super()._load(keys, block_ids, source).result()
+        for block, outcome in zip(block_ids, result.outcomes, strict=True):
+            if outcome.status is Status.MISSING:
+                zeros = torch.zeros(1, self.copier.block_nbytes, dtype=torch.uint8)
+                self.copier.copy_in([block], zeros)
+        return Handle.completed(keys, result.outcomes, result.nbytes)
+
+
+class SavesByReference(CpuPoolConnector):
+    """Remembers *where* a block was instead of copying it (a fake zero-copy save):
+    round trips pass until the engine reuses the source block."""
+
+    def __init__(self, config: CpuPoolConfig) -> None:
+        super().__init__(config)
+        self._where: dict[BlockKey, int] = {}
+
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+        return next((i for i, k in enumerate(keys) if k not in self._where), len(keys))
+
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        self._where.update(zip(keys, block_ids, strict=True))
+        return Handle.completed(keys, [OK] * len(keys))
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        outcomes: list[Outcome] = []
+        for key, block in zip(keys, block_ids, strict=True):
+            if key not in self._where:
+                outcomes.append(MISSING)
+                continue
+            self.copier.copy_in([block], self.copier.gather([self._where[key]]))
+            outcomes.append(OK)
+        return Handle.completed(keys, outcomes)
+
+
+class ForgetsOnReopen(CpuPoolConnector):
+    """Declares ``persistent`` but keeps blocks in memory only."""
+
+    capabilities = Capabilities(persistent=True, capacity_bound=True)
+
+
+class FailsWhenFull(CpuPoolConnector):
+    """Declares ``capacity_bound`` but fails saves once full instead of evicting."""
+
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        free = self._slots.slots - len(self._slots)
+        fits = [k not in self._slots for k in keys]
+        if sum(fits) <= free:
+            return super()._save(keys, block_ids)
+        return Handle.completed(keys, [failed("pool is full")] * len(keys))
+
+
+class LaxConfig(CpuPoolConfig):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class AcceptsAnyConfig(CpuPoolConnector):
+    """Its config model silently accepts unknown fields (a typo is never reported)."""
+
+    config_model = LaxConfig
+
+
+BROKEN: dict[str, type[CpuPoolConnector]] = {
+    cls.__name__: cls
+    for cls in (
+        CorruptsOnLoad,
+        CountsEveryHit,
+        OkForMissing,
+        ZeroesMissingBlocks,
+        SavesByReference,
+        ForgetsOnReopen,
+        FailsWhenFull,
+        AcceptsAnyConfig,
+    )
+}
+
+
+def factory(name: str) -> Callable[..., Connector]:
+    """A suite ``connector_factory`` for the broken class ``name`` (or ``CpuPoolConnector``)."""
+    cls = BROKEN.get(name, CpuPoolConnector)
+    model = cls.config_model
+
+    def make(**overrides: Any) -> Connector:
+        fields = {"capacity_bytes": POOL_BYTES, "timeout_s": 5.0, **overrides}
+        return cls(model(**fields))
+
+    return make

@@ -1,0 +1,116 @@
+"""``pipes:tcp``: the registry bridges the tcp pipe to a whole Connector
+(``BufferConnector(PipeLookupBuffer(TcpPipe))``); it must work end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvmux.bridges import BufferConnector, PipeLookupBuffer
+from kvmux.connector import Connector
+from kvmux.pipes.tcp import TcpPipe
+from kvmux.registry import create_connector
+from kvmux.testing.peer import (
+    block_bytes,
+    empty_caches,
+    make_caches,
+    make_keys,
+    make_layout,
+    spawn_peer,
+)
+
+CONFIG = {"backend": "pipes:tcp", "timeout_s": 3.0}
+
+
+def registered(caches: dict[str, torch.Tensor]) -> Connector:
+    conn = create_connector(CONFIG)
+    conn.register(make_layout(caches), caches)
+    return conn
+
+
+@pytest.fixture
+def producer() -> Iterator[tuple[Connector, dict[str, torch.Tensor]]]:
+    caches = make_caches(5, 8)
+    conn = registered(caches)
+    yield conn, caches
+    conn.close()
+
+
+def test_the_registry_builds_a_pipe_backed_connector(
+    producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = producer
+    assert isinstance(conn, BufferConnector)
+    assert isinstance(conn.buffer, PipeLookupBuffer) and isinstance(conn.buffer.pipe, TcpPipe)
+    assert conn.capabilities.p2p and conn.capabilities.consumes_on_load
+    assert set(conn.address() or {}) == {"host", "port"}
+
+
+def test_a_consumer_loads_what_the_producer_saved(
+    producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, caches = producer
+    keys = make_keys(8)
+    assert conn.save(keys[:6], list(range(6))).result(5).ok
+    consumer_caches = empty_caches(8)
+    consumer = registered(consumer_caches)
+    try:
+        assert consumer.lookup(keys, conn.address()) == 6
+        result = consumer.load(keys, [7, 6, 5, 4, 3, 2, 1, 0], conn.address()).result(10)
+        assert [o.status.value for o in result.outcomes] == ["ok"] * 6 + ["missing"] * 2
+        assert torch.equal(
+            block_bytes(consumer_caches, [7, 6, 5, 4, 3, 2]), block_bytes(caches, range(6))
+        )
+        assert not block_bytes(consumer_caches, [1, 0]).any()
+        # A pipe buffer hands each block over once.
+        again = consumer.load(keys[:2], [0, 1], conn.address()).result(10)
+        assert [o.status.value for o in again.outcomes] == ["missing"] * 2
+    finally:
+        consumer.close()
+
+
+def test_a_producer_in_another_process_serves_through_the_pipe() -> None:
+    consumer_caches = empty_caches(4)
+    consumer = registered(consumer_caches)
+    try:
+        with spawn_peer(CONFIG, 4, seed=9) as peer:
+            result = consumer.load(peer.keys, [3, 2, 1, 0], peer.address).result(10)
+            assert result.ok, result.not_ok[:1]
+        expected = block_bytes(make_caches(9, 4), range(4))
+        assert torch.equal(block_bytes(consumer_caches, [3, 2, 1, 0]), expected)
+    finally:
+        consumer.close()
+
+
+def test_a_consumer_with_another_layout_fails_keys_instead_of_loading_them(
+    producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = producer
+    keys = make_keys(4)
+    assert conn.save(keys, list(range(4))).result(5).ok
+    other = empty_caches(4, layout="other")  # same block size in bytes, another dtype
+    consumer = registered(other)
+    try:
+        assert consumer.lookup(keys, conn.address()) == 4  # lookups know no layout
+        result = consumer.load(keys, list(range(4)), conn.address()).result(10)
+        assert [o.status.value for o in result.outcomes] == ["failed"] * 4
+        assert all("layout mismatch" in (o.reason or "") for o in result.outcomes)
+        assert all(int(t.view(torch.uint8).count_nonzero()) == 0 for t in other.values())
+    finally:
+        consumer.close()
+
+
+def test_a_remote_lookup_counts_only_the_leading_keys_the_producer_holds(
+    producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = producer
+    keys = make_keys(8)
+    assert conn.save(keys[:5], list(range(5))).result(5).ok
+    consumer = registered(empty_caches(8))
+    try:
+        assert consumer.lookup(keys, conn.address()) == 5
+        assert consumer.lookup(keys[5:], conn.address()) == 0
+    finally:
+        consumer.close()

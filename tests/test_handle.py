@@ -1,0 +1,60 @@
+"""Handles report every key, never raise for a failed transfer, never hang silently."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvmux.errors import TransferTimeout
+from kvmux.handle import MISSING, OK, Handle, Status
+
+from support import keys
+
+
+def test_exception_in_work_becomes_failed_outcome_per_key() -> None:
+    ks = keys(3)
+
+    def work() -> tuple[list[object], int]:
+        raise OSError("disk on fire")
+
+    handle = Handle.from_call(ks, _inline, work)
+    result = handle.result()
+    assert [o.status for o in result.outcomes] == [Status.FAILED] * 3
+    assert all("disk on fire" in (o.reason or "") for o in result.outcomes)
+
+
+def test_wrong_number_of_outcomes_is_reported_as_failure() -> None:
+    ks = keys(3)
+    handle = Handle.from_call(ks, _inline, lambda: ([OK], 0))
+    assert not handle.result().ok
+    assert handle.result().by_status(Status.FAILED) == ks
+
+
+def test_result_timeout_raises_and_poll_does_not_block() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        handle = Handle.from_call(keys(1), pool.submit, lambda: (gate.wait(5), ([OK], 1))[1])
+        assert handle.poll() is False
+        assert handle.wait(0.05) is False
+        with pytest.raises(TransferTimeout):
+            handle.result(0.05)
+        gate.set()
+        assert handle.wait(5) and handle.result().ok
+
+
+def test_result_lists_keys_by_status() -> None:
+    ks = keys(3)
+    result = Handle.completed(ks, [OK, MISSING, OK], nbytes=10).result()
+    assert result.by_status(Status.MISSING) == [ks[1]]
+    assert result.not_ok == [(ks[1], MISSING)]
+
+
+def _inline(fn):
+    from concurrent.futures import Future
+
+    fut: Future[object] = Future()
+    fut.set_result(fn())
+    return fut

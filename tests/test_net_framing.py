@@ -1,0 +1,364 @@
+"""The wire layer on its own: frames, message validation, handshake, pinned slots."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from kvmux.errors import LayoutError, ProtocolError, TransferError, TransferTimeout
+from kvmux.keys import BlockKey, chain_keys
+from kvmux.net.frames import MAGIC, Channel, Limits
+from kvmux.net.handshake import join_handshake, serve_handshake
+from kvmux.net.memory import byte_view
+from kvmux.net.messages import (
+    PEER_PROTOCOL,
+    Blocks,
+    FetchRequest,
+    Hello,
+    Join,
+    LocateReply,
+    LookupReply,
+    LookupRequest,
+    TensorHeader,
+    key_batches,
+)
+from kvmux.net.slots import PinnedSlots
+
+LIMITS = Limits(max_header_bytes=64 * 1024, max_frame_bytes=1024 * 1024)
+
+
+def soon(seconds: float = 2.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Channel, Channel]]:
+    a, b = socket.socketpair()
+    left, right = Channel(a, PEER_PROTOCOL, LIMITS), Channel(b, PEER_PROTOCOL, LIMITS)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def keys(n: int) -> list[BlockKey]:
+    return chain_keys(list(range(n * 4)), 4, "ns")
+
+
+def raw_frame(header: bytes, declared: int | None = None) -> bytes:
+    size = len(header) if declared is None else declared
+    return struct.pack("!4sI", MAGIC, size) + header
+
+
+# -------------------------------------------------------------------- frames
+
+
+def test_a_frame_carries_a_validated_header_and_its_payload(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    data = torch.arange(256, dtype=torch.uint8)
+    left.send(Blocks(first=0, count=1, nbytes=256), [byte_view(data)], deadline=soon())
+    msg = right.recv(soon())
+    assert msg == Blocks(first=0, count=1, nbytes=256)
+    out = torch.zeros(256, dtype=torch.uint8)
+    right.recv_into([byte_view(out[:100]), byte_view(out[100:])], soon())
+    assert torch.equal(out, data)
+
+
+def test_keys_cross_the_wire_as_block_keys(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    left.send(FetchRequest.of(keys(3)), deadline=soon())
+    msg = right.recv(soon())
+    assert isinstance(msg, FetchRequest) and list(msg.block_keys()) == keys(3)
+
+
+def test_garbage_is_a_protocol_error(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    left.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(ProtocolError, match="not a kvmux frame"):
+        right.recv(soon())
+    assert right.broken
+
+
+def test_an_oversized_header_is_refused_before_it_is_read(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    left.sock.sendall(raw_frame(b"", declared=2**31))
+    with pytest.raises(ProtocolError, match="max_header_bytes"):
+        right.recv(soon())
+
+
+def test_an_oversized_payload_is_refused_before_it_is_read(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    header = json.dumps({"kind": "blocks", "first": 0, "count": 1, "nbytes": 2**40}).encode()
+    left.sock.sendall(raw_frame(header))
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        right.recv(soon())
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"{not json",
+        b'{"kind": "format_disk"}',
+        b'{"kind": "lookup_reply", "count": 1, "extra": true}',
+        b'{"kind": "lookup_reply", "count": -1}',
+        b'{"kind": "lookup", "keys": ["ns:zz"]}',
+        b'{"kind": "lookup", "keys": []}',
+    ],
+    ids=["not-json", "unknown-kind", "extra-field", "negative", "bad-key", "no-keys"],
+)
+def test_a_header_that_does_not_validate_is_a_protocol_error(
+    pair: tuple[Channel, Channel], header: bytes
+) -> None:
+    left, right = pair
+    left.sock.sendall(raw_frame(header))
+    with pytest.raises(ProtocolError, match="invalid message"):
+        right.recv(soon())
+
+
+def test_a_frame_cut_short_by_a_closed_peer_is_a_transfer_error(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    header = LookupReply(count=3).model_dump_json().encode()
+    left.sock.sendall(raw_frame(header)[:-4])
+    left.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(TransferError, match="closed the connection"):
+        right.recv(soon())
+
+
+def test_waiting_for_a_frame_that_has_not_started_leaves_the_stream_usable(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    for count in range(3):
+        with pytest.raises(TransferTimeout):
+            right.recv(soon(0.05))
+        assert not right.broken
+        left.send(LookupReply(count=count), deadline=soon())
+        assert right.recv(soon()) == LookupReply(count=count)
+
+
+def test_a_frame_that_stalls_midway_times_out_and_breaks_the_stream(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    left.sock.sendall(raw_frame(LookupReply(count=3).model_dump_json().encode())[:-2])
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        right.recv(None, frame_timeout=0.2)
+    assert 0.15 < time.monotonic() - start < 2
+    assert right.broken
+
+
+def test_a_header_larger_than_the_senders_limit_is_not_sent(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, _ = pair
+    small = Channel(left.sock, PEER_PROTOCOL, Limits(256, 1024 * 1024))
+    with pytest.raises(ProtocolError, match="max_header_bytes"):
+        small.send(LookupRequest.of(keys(20)), deadline=soon())
+
+
+# ------------------------------------------------------------------ messages
+
+
+def test_key_batches_fit_the_header_budget() -> None:
+    many = keys(9000)
+    batches = list(key_batches(many, 64 * 1024))
+    assert [k for b in batches for k in many[b.start : b.stop]] == many
+    for batch in batches:
+        encoded = PEER_PROTOCOL.dump_json(LookupRequest.of(many[batch.start : batch.stop]))
+        assert len(encoded) <= 64 * 1024
+
+
+def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> None:
+    def reply(segment: str) -> LocateReply:
+        return LocateReply(
+            lease=1,
+            lease_s=1.0,
+            segment=segment,
+            token="0" * 32,
+            offset=4096,
+            slots=4,
+            block_nbytes=8,
+            rows=[0],
+        )
+
+    for name in ["../../etc/passwd", "kvmux-1-../x", "/dev/shm/kvmux-1-0123456789abcdef"]:
+        with pytest.raises(ValidationError):
+            reply(name)
+    assert reply("kvmux-1-0123456789abcdef").segment
+
+
+def test_locate_rows_must_lie_inside_the_pool() -> None:
+    with pytest.raises(ValidationError, match="outside the pool"):
+        LocateReply(
+            lease=1,
+            lease_s=1.0,
+            segment="kvmux-1-0123456789abcdef",
+            token="0" * 32,
+            offset=4096,
+            slots=4,
+            block_nbytes=8,
+            rows=[4],
+        )
+
+
+def test_a_tensor_header_must_agree_with_its_shape_and_dtype() -> None:
+    TensorHeader(dtype="bfloat16", shape=[3, 4], nbytes=24)
+    with pytest.raises(ValidationError, match="header says"):
+        TensorHeader(dtype="bfloat16", shape=[3, 4], nbytes=25)
+    with pytest.raises(ValidationError, match="unknown torch dtype"):
+        TensorHeader(dtype="Tensor", shape=[1], nbytes=1)
+
+
+# ----------------------------------------------------------------- handshake
+
+
+def handshake(
+    server_secret: str | None,
+    client_secret: str | None,
+    server_layout: str | None = "aa",
+    client_layout: str | None = "aa",
+) -> tuple[BaseException | None, BaseException | None]:
+    """Run both sides over a socket pair; the errors each side raised."""
+    a, b = socket.socketpair()
+    errors: list[BaseException | None] = [None, None]
+
+    def serve() -> None:
+        try:
+            serve_handshake(
+                Channel(b, PEER_PROTOCOL, LIMITS),
+                service="tcp",
+                layout=server_layout,
+                secret=server_secret,
+                deadline=soon(),
+            )
+        except BaseException as exc:
+            errors[0] = exc
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        join_handshake(
+            Channel(a, PEER_PROTOCOL, LIMITS),
+            service="tcp",
+            layout=client_layout,
+            secret=client_secret,
+            deadline=soon(),
+        )
+    except BaseException as exc:
+        errors[1] = exc
+    thread.join(5)
+    a.close()
+    b.close()
+    return errors[0], errors[1]
+
+
+def test_peers_with_the_same_secret_join() -> None:
+    assert handshake("s3cret-value", "s3cret-value") == (None, None)
+
+
+def test_the_secret_never_crosses_the_wire() -> None:
+    a, b = socket.socketpair()
+    server = Channel(b, PEER_PROTOCOL, LIMITS)
+    hello = Hello(
+        service="tcp", nonce="1" * 32, layout=None, max_frame_bytes=2**20, max_header_bytes=2**16
+    )
+    server.send(hello, deadline=soon())
+
+    def client_side() -> None:
+        with pytest.raises(TransferError):
+            join_handshake(
+                Channel(a, PEER_PROTOCOL, LIMITS),
+                service="tcp",
+                layout=None,
+                secret="s3cret-value",
+                deadline=soon(),
+            )
+
+    client = threading.Thread(target=client_side)
+    client.start()
+    joined = server.recv(soon())
+    b.close()  # the client's wait for a welcome ends
+    client.join(5)
+    a.close()
+    assert isinstance(joined, Join) and joined.mac is not None
+    assert "s3cret" not in joined.model_dump_json()
+
+
+@pytest.mark.parametrize(("server", "client"), [("right", "wrong"), ("right", None)])
+def test_a_client_without_the_secret_is_refused(server: str, client: str | None) -> None:
+    server_error, client_error = handshake(server, client)
+    assert isinstance(server_error, TransferError)
+    assert isinstance(client_error, TransferError) and "auth" in str(client_error)
+
+
+def test_a_server_that_cannot_prove_the_secret_is_not_trusted() -> None:
+    _, client_error = handshake(None, "s3cret")
+    assert isinstance(client_error, TransferError)
+    assert "could not prove the shared secret" in str(client_error)
+
+
+def test_different_layouts_are_refused_at_handshake() -> None:
+    server_error, client_error = handshake(None, None, server_layout="aa", client_layout="bb")
+    assert isinstance(server_error, TransferError)
+    assert isinstance(client_error, LayoutError) and "layout mismatch" in str(client_error)
+
+
+def test_a_hello_names_everything_a_client_must_check() -> None:
+    hello = Hello(service="shm", nonce="0" * 32, layout=None, max_frame_bytes=1, max_header_bytes=1)
+    assert set(json.loads(hello.model_dump_json())) >= {"version", "service", "nonce", "layout"}
+
+
+# ---------------------------------------------------------------- pinned slots
+
+
+def test_a_pinned_slot_is_never_evicted() -> None:
+    slots = PinnedSlots(2)
+    a, b, c = keys(3)
+    sa, sb = slots.allocate(a, set()), slots.allocate(b, set())
+    assert sa is not None and sb is not None
+    slots.pin([sa])
+    assert slots.allocate(c, slots.protected()) == sb  # b goes; a (older but pinned) stays
+    assert slots.find(a) == sa
+    slots.pin([slots.find(c) or 0])
+    assert slots.allocate(keys(4)[3], slots.protected()) is None  # everything pinned
+
+
+def test_a_key_released_while_pinned_keeps_its_slot_until_unpinned() -> None:
+    slots = PinnedSlots(1)
+    a, b = keys(2)
+    slot = slots.allocate(a, set())
+    assert slot is not None
+    slots.pin([slot])
+    slots.release(a)
+    assert slots.find(a) is None and slots.prefix([a]) == 0
+    assert slots.allocate(b, slots.protected()) is None  # the slot is still being read
+    slots.unpin([slot])
+    assert slots.allocate(b, slots.protected()) == slot
+
+
+def test_an_expired_lease_unpins_its_slots() -> None:
+    slots = PinnedSlots(1)
+    a, b = keys(2)
+    slot = slots.allocate(a, set())
+    assert slot is not None
+    slots.lease([slot], expires=10.0)
+    slots.reap(now=5.0)
+    assert slots.allocate(b, slots.protected()) is None
+    slots.reap(now=10.0)
+    assert slots.pinned == 0 and slots.allocate(b, slots.protected()) == slot

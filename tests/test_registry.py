@@ -1,0 +1,204 @@
+"""The registry: names through entry points, errors that say what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.errors import BackendUnavailableError, ConfigError, UnknownBackendError
+from kvmux.registry import create_connector, parse_config, resolve, scan
+
+from support import FakeDist, kvmux_cli, run_python
+
+
+def test_builtins_are_declared_through_entry_points() -> None:
+    names = {(e.group, e.name): e.distribution for e in scan("connectors") + scan("pipes")}
+    for name in ("cpu", "disk", "shm", "tcp"):
+        assert names[("connectors", name)] == "kvmux"
+    assert names[("pipes", "tcp")] == "kvmux"
+
+
+def test_unknown_backend_lists_known_names_and_suggests_one() -> None:
+    with pytest.raises(UnknownBackendError) as err:
+        create_connector({"backend": "dsk"})
+    assert err.value.suggestion == "disk"
+    message = str(err.value)
+    assert "Did you mean 'disk'?" in message
+    for name in ("cpu", "disk", "shm", "tcp"):
+        assert name in message
+
+
+def test_unknown_group_qualifier_is_an_unknown_backend() -> None:
+    with pytest.raises(UnknownBackendError):
+        resolve("nope:cpu")
+
+
+def test_bad_config_names_backend_field_path_and_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        create_connector({"backend": "cpu", "capacity_bytes": -5})
+    assert err.value.backend == "cpu"
+    assert err.value.problems[0][0] == "capacity_bytes"
+    assert "capacity_bytes" in str(err.value) and "-5" in str(err.value)
+
+
+def test_unknown_config_field_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="capacity_gb"):
+        create_connector({"backend": "cpu", "capacity_gb": 4})
+
+
+def test_config_accepts_dict_json_text_and_model() -> None:
+    for config in (
+        {"backend": "cpu", "capacity_bytes": 4096},
+        json.dumps({"backend": "cpu", "capacity_bytes": 4096}),
+        CpuPoolConfig(capacity_bytes=4096),
+    ):
+        entry, cls, cfg = parse_config(config)
+        assert (entry.name, cls) == ("cpu", CpuPoolConnector)
+        assert isinstance(cfg, CpuPoolConfig) and cfg.capacity_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["not json", "[1, 2]", {"capacity_bytes": 1}, {"backend": 3}],
+)
+def test_malformed_config_is_a_config_error(config: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_config(config)
+
+
+def test_listing_imports_no_backend_and_no_torch() -> None:
+    proc = run_python(
+        """
+        import json, sys
+        from kvmux.cli.listing import records
+        rows = records()
+        heavy = ("torch", "kvmux.connectors.cpu", "kvmux.connector")
+        heavy = [m for m in heavy if m in sys.modules]
+        print(json.dumps({"n": len(rows), "heavy": heavy}))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["n"] >= 5 and out["heavy"] == []
+
+
+def test_broken_plugin_is_listed_unavailable_and_breaks_nothing(fake_dist: FakeDist) -> None:
+    site = fake_dist(
+        "kvmux-broken",
+        {"kvmux.connectors": {"broken": "kvmux_broken:Broken"}},
+        {"kvmux_broken/__init__.py": "raise RuntimeError('boom at import')\n"},
+    )
+    proc = kvmux_cli("list", "--json", "--check", pythonpath=site)
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
+    broken = rows[("connectors", "broken")]
+    assert broken["available"] is False
+    assert "boom at import" in broken["reason"] and "kvmux-broken" in broken["reason"]
+    assert rows[("connectors", "cpu")]["available"] is True
+
+    proc = run_python(
+        """
+        from kvmux.registry import create_connector
+        from kvmux.errors import BackendUnavailableError
+        try:
+            create_connector({"backend": "broken"})
+        except BackendUnavailableError as exc:
+            print("unavailable:", exc)
+        c = create_connector({"backend": "cpu"})
+        print("cpu ok", type(c).__name__)
+        """,
+        site,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "unavailable:" in proc.stdout and "boom at import" in proc.stdout
+    assert "cpu ok CpuPoolConnector" in proc.stdout
+
+
+def test_missing_extra_is_unavailable_with_install_hint(fake_dist: FakeDist) -> None:
+    site = fake_dist(
+        "kvmux-needs-extra",
+        {"kvmux.connectors": {"needy": "kvmux_needy:Needy [fast]"}},
+        {"kvmux_needy/__init__.py": "Needy = None\n"},
+    )
+    info = next(site.glob("kvmux_needs_extra-*.dist-info"))
+    metadata = info / "METADATA"
+    metadata.write_text(
+        metadata.read_text()
+        + "Provides-Extra: fast\nRequires-Dist: surely-not-installed-pkg>=1; extra == 'fast'\n"
+    )
+    proc = kvmux_cli("list", "--json", pythonpath=site)
+    assert proc.returncode == 0, proc.stderr
+    row = next(r for r in json.loads(proc.stdout) if r["name"] == "needy")
+    assert row["available"] is False
+    assert "surely-not-installed-pkg" in row["reason"]
+    assert "pip install 'kvmux-needs-extra[fast]'" in row["reason"]
+
+
+def test_two_distributions_claiming_one_name_resolve_deterministically(
+    fake_dist: FakeDist,
+) -> None:
+    module = """
+        from kvmux.connectors.cpu import CpuPoolConnector
+        class Mine(CpuPoolConnector):
+            pass
+    """
+    fake_dist("zeta-kv", {"kvmux.connectors": {"dup": "zeta_kv:Mine"}}, {"zeta_kv.py": module})
+    site = fake_dist(
+        "alpha-kv",
+        {"kvmux.connectors": {"dup": "alpha_kv:Mine", "cpu": "alpha_kv:Mine"}},
+        {"alpha_kv.py": module},
+    )
+    proc = kvmux_cli("list", "--json", pythonpath=site)
+    rows = [r for r in json.loads(proc.stdout) if r["name"] in ("dup", "cpu")]
+    winners = {(r["name"], r["distribution"]) for r in rows if r["available"]}
+    assert winners == {("dup", "alpha-kv"), ("cpu", "kvmux")}
+    losers = {(r["name"], r["distribution"], r["shadowed_by"]) for r in rows if not r["available"]}
+    assert losers == {("dup", "zeta-kv", "alpha-kv"), ("cpu", "alpha-kv", "kvmux")}
+
+    proc = run_python(
+        """
+        from kvmux.registry import create_connector
+        print(type(create_connector({"backend": "dup"})).__module__)
+        print(type(create_connector({"backend": "cpu"})).__module__)
+        """,
+        site,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["alpha_kv", "kvmux.connectors.cpu"]
+
+
+def test_entry_point_that_is_not_a_connector_is_refused(fake_dist: FakeDist) -> None:
+    site = fake_dist(
+        "kvmux-wrong",
+        {"kvmux.connectors": {"wrong": "kvmux_wrong:thing"}},
+        {"kvmux_wrong.py": "thing = 42\n"},
+    )
+    proc = run_python(
+        """
+        from kvmux.registry import create_connector
+        create_connector({"backend": "wrong"})
+        """,
+        site,
+    )
+    assert proc.returncode != 0
+    assert "BackendUnavailableError" in proc.stderr and "not a Connector subclass" in proc.stderr
+
+
+def test_cli_unknown_backend_exits_2_with_suggestion() -> None:
+    proc = kvmux_cli("schema", "tpc")
+    assert proc.returncode == 2
+    assert "Did you mean 'tcp'?" in proc.stderr
+
+
+def test_cli_schema_prints_the_backend_config_model() -> None:
+    proc = kvmux_cli("schema", "disk")
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads(proc.stdout)
+    assert "path" in schema["required"]
+    assert schema["properties"]["capacity_bytes"]["anyOf"][0]["exclusiveMinimum"] == 0
+
+
+def test_unavailable_backend_error_is_an_import_error() -> None:
+    assert issubclass(BackendUnavailableError, ImportError)

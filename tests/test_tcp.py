@@ -1,0 +1,413 @@
+"""``tcp``: a producer in another OS process serves its pool; consumers pull."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvmux.connector import Connector
+from kvmux.errors import ClosedError
+from kvmux.handle import Status, TransferResult
+from kvmux.keys import BlockKey, chain_keys
+from kvmux.net.frames import MAGIC, Channel, Limits
+from kvmux.net.handshake import serve_handshake
+from kvmux.net.messages import PEER_PROTOCOL, Blocks, FetchReply, FetchRequest, expect
+from kvmux.registry import create_connector
+from kvmux.testing.peer import (
+    PeerProcess,
+    block_bytes,
+    empty_caches,
+    make_caches,
+    make_keys,
+    make_layout,
+    spawn_peer,
+)
+
+TIMEOUT_S = 3.0
+GRACE_S = 5.0
+SEED = 7
+N = 64
+POOL_BYTES = 4 * 2**20
+"""Small pools: a default 256 MiB one costs a noticeable fraction of a second to map."""
+
+
+@dataclass
+class Consumer:
+    connector: Connector
+    caches: dict[str, torch.Tensor]
+
+    def load(
+        self, keys: list[BlockKey], blocks: list[int], source: Any, bound_s: float = TIMEOUT_S
+    ) -> TransferResult:
+        return self.connector.load(keys, blocks, source).result(timeout=bound_s + GRACE_S)
+
+    def blocks(self, ids: list[int] | range) -> torch.Tensor:
+        return block_bytes(self.caches, ids)
+
+
+def open_consumer(
+    num_blocks: int = 2 * N, layout: str = "small", *, strided: bool = False, **config: Any
+) -> Consumer:
+    """A registered consumer; ``strided`` KV tensors are views with gaps between rows,
+    which cannot be received into directly (the staging path)."""
+    settings = {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES, **config}
+    connector = create_connector(settings)
+    caches = empty_caches(num_blocks, layout)
+    if strided:
+        caches = {
+            name: torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)[..., : t.shape[-1]]
+            for name, t in caches.items()
+        }
+        assert not any(t.is_contiguous() for t in caches.values())
+    connector.register(make_layout(caches), caches)
+    return Consumer(connector, caches)
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[PeerProcess]:
+    config = {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES}
+    with spawn_peer(config, N, SEED) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def expected() -> torch.Tensor:
+    return block_bytes(make_caches(SEED, N), range(N))
+
+
+@pytest.fixture
+def consumer() -> Iterator[Consumer]:
+    c = open_consumer()
+    yield c
+    c.connector.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.001)
+
+
+def statuses(result: TransferResult) -> list[str]:
+    return [o.status.value for o in result.outcomes]
+
+
+# ------------------------------------------------------------ across processes
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous-kv", "strided-kv"])
+def test_blocks_from_another_process_arrive_byte_exact(
+    producer: PeerProcess, expected: torch.Tensor, strided: bool
+) -> None:
+    consumer = open_consumer(strided=strided)
+    try:
+        dst = list(range(2 * N - 1, N - 1, -1))  # reversed: no run of consecutive blocks
+        result = consumer.load(producer.keys, dst, producer.address)
+        assert result.ok, result.not_ok[:2]
+        assert result.nbytes == N * expected.shape[1]
+        assert torch.equal(consumer.blocks(dst), expected)
+    finally:
+        consumer.connector.close()
+
+
+def test_unknown_keys_are_missing_and_leave_their_blocks_untouched(
+    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
+) -> None:
+    unknown = chain_keys(list(range(64)), 16, "nobody-saved-this")
+    keys = [producer.keys[0], unknown[0], producer.keys[5], unknown[1]]
+    result = consumer.load(keys, [0, 1, 2, 3], producer.address)
+    assert statuses(result) == ["ok", "missing", "ok", "missing"]
+    assert torch.equal(consumer.blocks([0, 2]), expected[[0, 5]])
+    assert not consumer.blocks([1, 3]).any()
+
+
+def test_lookup_counts_the_leading_keys_the_peer_holds(
+    producer: PeerProcess, consumer: Consumer
+) -> None:
+    conn, keys = consumer.connector, producer.keys
+    unknown = chain_keys(list(range(32)), 16, "nobody-saved-this")
+    assert conn.lookup(keys, producer.address) == N
+    assert conn.lookup(keys[:10] + unknown + keys[10:], producer.address) == 10
+    assert conn.lookup(unknown, producer.address) == 0
+    assert conn.lookup(make_keys(N + 50), producer.address) == N
+
+
+def test_a_consumer_with_another_layout_is_refused_at_handshake(producer: PeerProcess) -> None:
+    other = open_consumer(num_blocks=8, layout="other")
+    try:
+        result = other.load(producer.keys[:4], [0, 1, 2, 3], producer.address)
+        assert statuses(result) == ["failed"] * 4
+        reason = result.outcomes[0].reason or ""
+        assert "LayoutError" in reason and "layout mismatch" in reason
+        assert not other.blocks(range(4)).any()
+        assert other.connector.lookup(producer.keys, producer.address) == 0
+    finally:
+        other.connector.close()
+
+
+def test_killed_producer_fails_keys_within_timeout(
+    producer: PeerProcess, expected: torch.Tensor
+) -> None:
+    big = 4096  # 64 MiB in 16 KiB blocks: long enough to kill mid-stream
+    consumer = open_consumer(num_blocks=big)
+    try:
+        with spawn_peer(
+            {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
+        ) as doomed:
+            assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1  # warm link
+            start = time.monotonic()
+            handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
+            wait_until(lambda: bool(consumer.blocks([0]).any()), TIMEOUT_S)  # bytes flowing
+            doomed.kill()
+            result = handle.result(timeout=TIMEOUT_S + GRACE_S)
+            assert time.monotonic() - start < TIMEOUT_S + 1
+        assert set(statuses(result)) <= {"ok", "failed"}
+        assert result.by_status(Status.OK), "block 0 had arrived before the kill"
+        assert result.by_status(Status.FAILED), "the producer died long before sending 64 MiB"
+        assert all(o.reason for _, o in result.not_ok)
+        ok = [i for i, o in enumerate(result.outcomes) if o.ok]
+        if ok:  # what did arrive is exact
+            assert torch.equal(consumer.blocks(ok), block_bytes(make_caches(SEED, big), ok))
+        # The consumer is unharmed: it loads from another producer at once.
+        again = consumer.load(producer.keys, list(range(N)), producer.address)
+        assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
+    finally:
+        consumer.connector.close()
+
+
+# ------------------------------------------------------------------ in process
+
+
+@pytest.fixture
+def local_producer() -> Iterator[tuple[Connector, dict[str, torch.Tensor]]]:
+    conn = create_connector({"backend": "tcp", "timeout_s": 0.5})
+    caches = make_caches(SEED, 16)
+    conn.register(make_layout(caches), caches)
+    assert conn.save(make_keys(16), list(range(16))).result(5).ok
+    yield conn, caches
+    conn.close()
+
+
+def address_of(conn: Connector) -> dict[str, Any]:
+    address = conn.address()
+    assert address is not None
+    return address
+
+
+def raw_connection(conn: Connector) -> socket.socket:
+    address = address_of(conn)
+    sock = socket.create_connection((address["host"], address["port"]), timeout=5)
+    sock.recv(65536)  # the server's hello
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server hung up (reads until EOF or reset, within the socket timeout)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("frame", "protocol_error"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: kvmux\r\n\r\n", True),
+        (struct.pack("!4sI", MAGIC, 2**31), True),
+        (struct.pack("!4sI", MAGIC, 14) + b'{"kind": "hi"}', True),
+        (struct.pack("!4sI", MAGIC, 200) + b'{"kind": "join"', False),  # then silence
+    ],
+    ids=["garbage", "oversized", "unknown-message", "truncated"],
+)
+def test_a_bad_frame_closes_only_its_connection_and_the_server_keeps_serving(
+    local_producer: tuple[Connector, dict[str, torch.Tensor]], frame: bytes, protocol_error: bool
+) -> None:
+    producer, caches = local_producer
+    consumer = open_consumer(num_blocks=16)
+    try:
+        assert consumer.connector.lookup(make_keys(16), producer.address()) == 16  # a live link
+        attacker = raw_connection(producer)
+        attacker.sendall(frame)
+        assert closed_by_server(attacker)
+        attacker.close()
+        result = consumer.load(make_keys(16), list(range(16)), producer.address())
+        assert result.ok and torch.equal(consumer.blocks(range(16)), block_bytes(caches, range(16)))
+    finally:
+        consumer.connector.close()
+    assert producer.stats()["rejected_connections"] == (1 if protocol_error else 0)
+    assert producer.health().healthy
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous-kv", "strided-kv"])
+def test_keys_fail_when_the_producer_stops_sending_midway(strided: bool) -> None:
+    consumer = open_consumer(num_blocks=8, strided=strided, timeout_s=0.5)
+    fake = MisbehavingProducer(consumer, whole=3, then="stall")
+    try:
+        start = time.monotonic()
+        result = consumer.load(make_keys(8), list(range(8)), fake.address, bound_s=0.5)
+        assert 0.4 < time.monotonic() - start < 3
+        assert statuses(result) == ["ok"] * 3 + ["failed"] * 5
+        assert torch.equal(consumer.blocks(range(3)), fake.payload[:3])
+    finally:
+        fake.close()
+        consumer.connector.close()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous-kv", "strided-kv"])
+def test_keys_fail_at_once_when_the_producer_hangs_up_midway(strided: bool) -> None:
+    consumer = open_consumer(num_blocks=8, strided=strided, timeout_s=5)
+    fake = MisbehavingProducer(consumer, whole=5, then="hang_up")
+    try:
+        start = time.monotonic()
+        result = consumer.load(make_keys(8), list(range(8)), fake.address, bound_s=5)
+        assert time.monotonic() - start < 2
+        assert statuses(result) == ["ok"] * 5 + ["failed"] * 3
+        assert "mid-transfer" in (result.outcomes[5].reason or "")
+        assert torch.equal(consumer.blocks(range(5)), fake.payload[:5])
+    finally:
+        fake.close()
+        consumer.connector.close()
+
+
+class MisbehavingProducer:
+    """Speaks the protocol, claims every key, sends ``whole`` blocks and half the
+    next, then stalls or hangs up: a producer dying or freezing mid-stream."""
+
+    def __init__(self, consumer: Consumer, whole: int, then: str) -> None:
+        layout = consumer.connector.layout
+        assert layout is not None
+        self.fingerprint = layout.fingerprint()
+        self.nbytes = layout.block_nbytes
+        self.whole, self.then = whole, then
+        self.payload = torch.randint(0, 256, (8, self.nbytes), dtype=torch.uint8)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = {"host": "127.0.0.1", "port": self.listener.getsockname()[1]}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        sock, _ = self.listener.accept()
+        chan = Channel(sock, PEER_PROTOCOL, Limits(2**20, 2**26))
+        deadline = time.monotonic() + 5
+        serve_handshake(
+            chan, service="tcp", layout=self.fingerprint, secret=None, deadline=deadline
+        )
+        req = expect(chan.recv(deadline), FetchRequest)
+        n = len(req.keys)
+        chan.send(FetchReply(found=[True] * n, block_nbytes=self.nbytes), deadline=deadline)
+        header = PEER_PROTOCOL.dump_json(Blocks(first=0, count=n, nbytes=n * self.nbytes))
+        body = self.payload[: self.whole].numpy().tobytes() + b"\0" * (self.nbytes // 2)
+        sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header + body)
+        if self.then == "stall":
+            self.done.wait(10)
+        sock.close()
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+def test_eviction_keeps_the_pool_within_capacity() -> None:
+    caches = make_caches(SEED, 12)
+    block = make_layout(caches).block_nbytes
+    conn = create_connector({"backend": "tcp", "capacity_bytes": 8 * block})
+    try:
+        conn.register(make_layout(caches), caches)
+        keys = make_keys(12)
+        assert conn.save(keys, list(range(12))).result(5).ok
+        stats = conn.stats()
+        assert stats["capacity_blocks"] == 8 and stats["blocks_stored"] == 8
+        assert stats["evictions"] == 4
+        assert conn.lookup(keys) == 0  # the oldest went first
+        assert conn.lookup(keys[4:]) == 8
+        consumer = open_consumer(num_blocks=12)
+        result = consumer.load(keys, list(range(12)), conn.address())
+        assert statuses(result) == ["missing"] * 4 + ["ok"] * 8
+        assert torch.equal(consumer.blocks(range(4, 12)), block_bytes(caches, range(4, 12)))
+        consumer.connector.close()
+    finally:
+        conn.close()
+
+
+def test_a_shared_secret_admits_only_peers_that_know_it() -> None:
+    caches = make_caches(SEED, 4)
+    producer = create_connector({"backend": "tcp", "secret": "s3cret"})
+    producer.register(make_layout(caches), caches)
+    producer.save(make_keys(4), [0, 1, 2, 3]).result(5)
+    consumers = {
+        secret: open_consumer(num_blocks=4, secret=secret) for secret in ("s3cret", "wrong", None)
+    }
+    try:
+        results = {
+            s: c.load(make_keys(4), [0, 1, 2, 3], producer.address()) for s, c in consumers.items()
+        }
+        assert results["s3cret"].ok
+        for secret in ("wrong", None):
+            assert statuses(results[secret]) == ["failed"] * 4
+            assert "auth" in (results[secret].outcomes[0].reason or "")
+        assert "s3cret" not in repr(producer.config) and "s3cret" not in json.dumps(
+            producer.address()
+        )
+    finally:
+        for c in consumers.values():
+            c.connector.close()
+        producer.close()
+
+
+def test_a_load_without_source_reads_the_own_pool(
+    local_producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, caches = local_producer
+    before = block_bytes(caches, range(4))
+    caches["layer.0"][:4].zero_()
+    assert conn.load(make_keys(4), [0, 1, 2, 3]).result(5).ok
+    assert torch.equal(block_bytes(caches, range(4)), before)
+
+
+def test_an_unreachable_peer_fails_every_key_quickly(consumer: Consumer) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once the probe closes
+    start = time.monotonic()
+    result = consumer.load(make_keys(3), [0, 1, 2], {"host": "127.0.0.1", "port": port})
+    assert statuses(result) == ["failed"] * 3 and "connect" in (result.outcomes[0].reason or "")
+    assert consumer.connector.lookup(make_keys(3), {"host": "127.0.0.1", "port": port}) == 0
+    assert time.monotonic() - start < 2
+
+
+def test_address_is_plain_json_and_listens_on_loopback_by_default(
+    local_producer: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = local_producer
+    address = address_of(conn)
+    assert json.loads(json.dumps(address)) == address
+    assert address["host"] == "127.0.0.1" and address["port"] > 0
+    assert conn.layout is not None and address["layout"] == conn.layout.fingerprint()
+
+
+def test_close_stops_the_server_and_is_idempotent() -> None:
+    conn = create_connector({"backend": "tcp"})
+    port = address_of(conn)["port"]
+    conn.close()
+    conn.close()
+    assert not conn.health().healthy
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    with pytest.raises(ClosedError):
+        conn.lookup(make_keys(1))
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvmux-tcp")]
