@@ -30,7 +30,7 @@ from kvmux.net.messages import (
     TensorHeader,
     key_batches,
 )
-from kvmux.net.slots import PinnedSlots
+from kvmux.slots import PinnedSlots
 
 LIMITS = Limits(max_header_bytes=64 * 1024, max_frame_bytes=1024 * 1024)
 

@@ -12,7 +12,6 @@ the bytes of a pull travel is the subclass's business: over the socket
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -22,10 +21,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from kvmux.capabilities import Capabilities
-from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector, Health
-from kvmux.errors import CapacityError, InvalidRequestError, KvmuxError, TransferError
-from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.connector import Address, Health
+from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.errors import InvalidRequestError, KvmuxError, TransferError
+from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link, PeerClient
@@ -41,15 +40,11 @@ from kvmux.net.messages import (
     key_batches,
 )
 from kvmux.net.server import FrameServer, Handler, Session
-from kvmux.net.slots import PinnedSlots
 
 log = logging.getLogger(__name__)
 
 
-class ServedPoolConfig(BackendConfig):
-    capacity_bytes: int = Field(
-        256 * 2**20, gt=0, description="hard bound on the pool's memory, in bytes"
-    )
+class ServedPoolConfig(CpuPoolConfig):
     host: str = Field("127.0.0.1", description="address the server listens on")
     port: int = Field(0, ge=0, le=65535, description="listening port; 0 picks a free one")
     secret: SecretStr | None = Field(
@@ -93,9 +88,10 @@ class PullInterrupted(TransferError):
         self.outcomes = outcomes
 
 
-class ServedPoolConnector(Connector):
-    """Base of the pool-serving P2P connectors; subclasses say where the pool lives,
-    which extra requests the server answers, and how a remote load moves bytes."""
+class ServedPoolConnector(CpuPoolConnector):
+    """The ``cpu`` pool plus a server and a puller. Subclasses say where the pool
+    lives, which extra requests the server answers, and how a remote load moves
+    bytes."""
 
     capabilities = Capabilities(p2p=True, capacity_bound=True)
     service: ClassVar[Service]
@@ -103,9 +99,6 @@ class ServedPoolConnector(Connector):
 
     def __init__(self, config: ServedPoolConfig) -> None:
         super().__init__(config)
-        self._lock = threading.Lock()
-        self._pool: torch.Tensor | None = None
-        self._slots = PinnedSlots(0)
         self._fingerprint: str | None = None
         secret = config.secret.get_secret_value() if config.secret is not None else None
         self._limits = Limits(config.max_header_bytes, config.max_frame_bytes)
@@ -128,10 +121,6 @@ class ServedPoolConnector(Connector):
         )
 
     # ------------------------------------------------------------ for subclasses
-
-    @abstractmethod
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
-        """The ``[slots, block_nbytes]`` uint8 pool tensor."""
 
     @abstractmethod
     def _handlers(self) -> dict[type[Message], Handler]:
@@ -157,22 +146,13 @@ class ServedPoolConnector(Connector):
     # ------------------------------------------------------------------ storage
 
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
-        slots = self.config.capacity_bytes // layout.block_nbytes
-        if slots == 0:
-            raise CapacityError(
-                f"capacity_bytes={self.config.capacity_bytes} holds no block of "
-                f"{layout.block_nbytes} bytes"
-            )
-        pool = self._make_pool(slots, layout.block_nbytes)
+        super()._register(layout, caches)
         with self._lock:
-            self._pool = pool
-            self._slots = PinnedSlots(slots)
             self._fingerprint = layout.fingerprint()
 
     def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if source is None:
-            with self._lock:
-                return self._slots.prefix(keys)
+            return super()._lookup(keys, None)
         peer = PeerAddress.parse(source)
         found = 0
         try:
@@ -198,61 +178,11 @@ class ServedPoolConnector(Connector):
                 break
         return found
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        return self._run_now(keys, lambda: self._save_batch(keys, block_ids))
-
-    def _save_batch(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
-        pool = self._pool
-        assert pool is not None
-        outcomes: list[Outcome] = [OK] * len(keys)
-        blocks: list[int] = []
-        rows: list[int] = []
-        with self._lock:
-            self._slots.reap(time.monotonic())
-            # Pinned slots and the slots written by this batch are protected, so a
-            # batch larger than the pool evicts its own oldest blocks last, never
-            # mid-copy, and never a slot a peer is reading.
-            protected = self._slots.protected()
-            for i, (key, block) in enumerate(zip(keys, block_ids, strict=True)):
-                if self._slots.keep(key):
-                    continue  # same key, same content: stored already
-                slot = self._slots.allocate(key, protected)
-                if slot is None:
-                    self.copier.copy_out(blocks, pool, rows)
-                    blocks, rows, protected = [], [], self._slots.protected()
-                    slot = self._slots.allocate(key, protected)
-                if slot is None:
-                    outcomes[i] = failed("every pool slot is pinned by transfers to peers")
-                    continue
-                protected.add(slot)
-                blocks.append(block)
-                rows.append(slot)
-            self.copier.copy_out(blocks, pool, rows)
-        return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
-
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
         if source is None:
-            return self._run_now(keys, lambda: self._load_local(keys, block_ids))
+            return super()._load(keys, block_ids, None)
         peer = PeerAddress.parse(source)
         return self._run(keys, lambda: self._load_remote(peer, keys, block_ids))
-
-    def _load_local(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
-        pool = self._pool
-        assert pool is not None
-        outcomes: list[Outcome] = []
-        blocks: list[int] = []
-        rows: list[int] = []
-        with self._lock:
-            for key, block in zip(keys, block_ids, strict=True):
-                slot = self._slots.find(key)
-                if slot is None:
-                    outcomes.append(MISSING)
-                    continue
-                outcomes.append(OK)
-                blocks.append(block)
-                rows.append(slot)
-            self.copier.copy_in(blocks, pool, rows)
-        return outcomes, len(blocks) * self.copier.block_nbytes
 
     def _load_remote(
         self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int]
@@ -289,11 +219,6 @@ class ServedPoolConnector(Connector):
         self._client.forget(peer.endpoint)
         self._forget_peer(peer)
 
-    def _release(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._slots.release(key)
-
     # ------------------------------------------------------------------- server
 
     def _layout_refused(self, session: Session) -> bool:
@@ -327,13 +252,6 @@ class ServedPoolConnector(Connector):
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
-        with self._lock:
-            out.update(
-                blocks_stored=len(self._slots),
-                capacity_blocks=self._slots.slots,
-                evictions=self._slots.evictions,
-                pinned_blocks=self._slots.pinned,
-            )
         out.update(
             server_connections=self._server.connections,
             rejected_connections=self._server.rejected,
@@ -343,6 +261,4 @@ class ServedPoolConnector(Connector):
     def _close(self) -> None:
         self._server.close()
         self._client.close()
-        with self._lock:
-            self._pool = None
-            self._slots = PinnedSlots(0)
+        super()._close()

@@ -1,27 +1,76 @@
 """Which pool slot holds which key, and which slots a transfer is still reading.
 
-A served pool differs from the ``cpu`` pool in one way: a peer reads slots
-*after* the lookup that found them (a tcp send streams from the slot, an shm
-consumer copies out of it), so a save must never overwrite such a slot
-mid-read. Slots are pinned for that long. A tcp send pins for the length of
-the send; an shm consumer, which reads from another process, holds a *lease*
-that ends at unpin or after ``lease_s``, so a consumer that dies never keeps
-slots pinned forever. A key released while pinned disappears at once for
-lookups but keeps its slot until the last pin goes.
+A pool is a fixed number of slots. :class:`SlotPool` maps keys to slots in
+least-recently-used order. :class:`PinnedSlots` adds pins: a peer may read a
+slot *after* the lookup that found it (a tcp send streams from the slot, an
+shm consumer copies out of it), so a save must never overwrite such a slot
+mid-read. A tcp send pins for the length of the send; an shm consumer, which
+reads from another process, holds a *lease* that ends at unpin or after
+``lease_s``, so a consumer that dies never keeps slots pinned forever. A key
+released while pinned disappears at once for lookups but keeps its slot until
+the last pin goes. The ``cpu`` pool uses the same table and simply never pins.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
-from kvmux.connectors.cpu import SlotPool
 from kvmux.keys import BlockKey
 
 
+class SlotPool:
+    """Key -> slot index with LRU order over a fixed number of slots.
+
+    Not thread-safe: its owner holds a lock around each batch.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._where: OrderedDict[BlockKey, int] = OrderedDict()
+        self._free: list[int] = []  # released slots
+        self._unused = 0  # slots >= this were never handed out: O(1) set-up at any size
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._where
+
+    def get(self, key: BlockKey) -> int | None:
+        """The key's slot, marking it most recently used; None if absent."""
+        slot = self._where.get(key)
+        if slot is not None:
+            self._where.move_to_end(key)
+        return slot
+
+    def allocate(self, key: BlockKey, protected: set[int]) -> int | None:
+        """A slot for a new ``key``, evicting the least recently used block not in
+        ``protected`` if none is free; None if every slot is protected."""
+        if self._free:
+            slot = self._free.pop()
+        elif self._unused < self.slots:
+            slot = self._unused
+            self._unused += 1
+        else:
+            victim = next((k for k, s in self._where.items() if s not in protected), None)
+            if victim is None:
+                return None
+            slot = self._where.pop(victim)
+            self.evictions += 1
+        self._where[key] = slot
+        return slot
+
+    def remove(self, key: BlockKey) -> None:
+        slot = self._where.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
 class PinnedSlots:
-    """LRU slots (a :class:`~kvmux.connectors.cpu.SlotPool`) plus pins and leases.
+    """LRU slots (a :class:`SlotPool`) plus pins and leases.
 
     Not thread-safe: its owner holds a lock around each batch.
     """
@@ -48,6 +97,9 @@ class PinnedSlots:
 
     def __len__(self) -> int:
         return len(self._lru) - len(self._released)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._lru and key not in self._released_keys
 
     def find(self, key: BlockKey) -> int | None:
         """The key's slot, marking it most recently used; None if absent."""
