@@ -224,9 +224,9 @@ class BufferConnector(Connector):
     instance with another layout from loading same-sized blocks of another
     shape: the key fails instead. Keys themselves stay layout-free, because a
     lookup may come from a process that holds no KV memory (an engine's
-    scheduler). A load asks ``contains`` first, so a key the buffer does not
-    hold is reported missing at once instead of after a full ``drop_select``
-    wait.
+    scheduler). A load takes what is there now (``drop_select`` with no wait),
+    so a key the buffer does not hold is reported missing at once; a consumer
+    that expects a block still in flight polls ``lookup`` first.
     """
 
     def __init__(self, buffer: LookupBuffer, config: BackendConfig) -> None:
@@ -263,9 +263,7 @@ class BufferConnector(Connector):
         nbytes = self.copier.block_nbytes
 
         def one(key: BlockKey, block: int) -> Outcome:
-            if not self.buffer.contains(key):
-                return MISSING
-            tensor = self.buffer.drop_select(key, self.config.timeout_s)
+            tensor = self.buffer.drop_select(key, 0.0)
             if tensor is None:
                 return MISSING
             if tensor.dtype != torch.uint8 or tensor.numel() != _HEADER_BYTES + nbytes:

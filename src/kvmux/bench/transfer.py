@@ -150,7 +150,7 @@ def _config_for(name: str, shape: Shape, tmp: Path) -> dict[str, Any]:
     model: type[BackendConfig] = getattr(load_class(resolve(name)), "config_model", BackendConfig)
     config: dict[str, Any] = {"backend": name}
     if "capacity_bytes" in model.model_fields:
-        config["capacity_bytes"] = 4 * shape.nbytes
+        config["capacity_bytes"] = 2 * shape.nbytes
     for field, info in model.model_fields.items():
         if info.annotation is Path and info.is_required():
             config[field] = str(tmp / field)
