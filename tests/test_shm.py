@@ -4,17 +4,14 @@ consumers on this host copy straight out of it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvmux.connector import Connector
 from kvmux.connectors.shm import ShmConnector
-from kvmux.handle import TransferResult
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
@@ -31,28 +28,21 @@ from kvmux.testing.peer import (
     spawn_peer,
 )
 
-TIMEOUT_S = 3.0
-GRACE_S = 5.0
+from support import P2P_GRACE_S, P2P_TIMEOUT_S, Consumer, statuses, wait_until
+
 SEED = 11
 N = 64
 POOL_BYTES = 4 * 2**20
 """Small pools: a default 256 MiB one costs a noticeable fraction of a second to map."""
 
 
-@dataclass
-class Consumer:
-    connector: Connector
-    caches: dict[str, torch.Tensor]
-
-    def load(self, keys: list[BlockKey], blocks: list[int], source: Any) -> TransferResult:
-        return self.connector.load(keys, blocks, source).result(timeout=TIMEOUT_S + GRACE_S)
-
-    def blocks(self, ids: list[int] | range) -> torch.Tensor:
-        return block_bytes(self.caches, ids)
-
-
 def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any) -> Consumer:
-    settings = {"backend": "shm", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES, **config}
+    settings = {
+        "backend": "shm",
+        "timeout_s": P2P_TIMEOUT_S,
+        "capacity_bytes": POOL_BYTES,
+        **config,
+    }
     connector = create_connector(settings)
     caches = empty_caches(num_blocks, layout)
     connector.register(make_layout(caches), caches)
@@ -61,7 +51,7 @@ def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any)
 
 @pytest.fixture(scope="module")
 def producer() -> Iterator[PeerProcess]:
-    config = {"backend": "shm", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES}
+    config = {"backend": "shm", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": POOL_BYTES}
     with spawn_peer(config, N, SEED) as peer:
         yield peer
 
@@ -78,19 +68,8 @@ def consumer() -> Iterator[Consumer]:
     c.connector.close()
 
 
-def statuses(result: TransferResult) -> list[str]:
-    return [o.status.value for o in result.outcomes]
-
-
 def segments_of(pid: int) -> list[Path]:
     return sorted(SHM_DIR.glob(f"kvmux-{pid}-*"))
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.001)
 
 
 # ------------------------------------------------------------ across processes
@@ -150,18 +129,18 @@ def test_killed_producer_fails_keys_within_timeout_and_its_segment_is_swept(
     consumer = open_consumer(num_blocks=big)
     try:
         with spawn_peer(
-            {"backend": "shm", "timeout_s": TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
+            {"backend": "shm", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
         ) as doomed:
             assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1
             orphans = segments_of(doomed.pid)
             assert len(orphans) == 1
             start = time.monotonic()
             handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
-            wait_until(lambda: bool(consumer.blocks([0]).any()), TIMEOUT_S)  # copying
+            wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # copying
             doomed.kill()
-            during = handle.result(timeout=TIMEOUT_S + GRACE_S)
+            during = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
             after = consumer.load(doomed.keys[:8], list(range(8)), doomed.address)
-            assert time.monotonic() - start < TIMEOUT_S + 1
+            assert time.monotonic() - start < P2P_TIMEOUT_S + 1
         # Blocks located before the kill are still mapped here and can only be the
         # producer's bytes; whatever did not make it failed. Nothing hung.
         assert set(statuses(during)) <= {"ok", "failed"}

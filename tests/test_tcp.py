@@ -7,8 +7,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,8 +15,8 @@ import torch
 
 from kvmux.connector import Connector
 from kvmux.errors import ClosedError
-from kvmux.handle import Status, TransferResult
-from kvmux.keys import BlockKey, chain_keys
+from kvmux.handle import Status
+from kvmux.keys import chain_keys
 from kvmux.net.frames import MAGIC, Channel, Limits
 from kvmux.net.handshake import serve_handshake
 from kvmux.net.messages import PEER_PROTOCOL, Blocks, FetchReply, FetchRequest, expect
@@ -32,26 +31,12 @@ from kvmux.testing.peer import (
     spawn_peer,
 )
 
-TIMEOUT_S = 3.0
-GRACE_S = 5.0
+from support import P2P_GRACE_S, P2P_TIMEOUT_S, Consumer, statuses, wait_until
+
 SEED = 7
 N = 64
 POOL_BYTES = 4 * 2**20
 """Small pools: a default 256 MiB one costs a noticeable fraction of a second to map."""
-
-
-@dataclass
-class Consumer:
-    connector: Connector
-    caches: dict[str, torch.Tensor]
-
-    def load(
-        self, keys: list[BlockKey], blocks: list[int], source: Any, bound_s: float = TIMEOUT_S
-    ) -> TransferResult:
-        return self.connector.load(keys, blocks, source).result(timeout=bound_s + GRACE_S)
-
-    def blocks(self, ids: list[int] | range) -> torch.Tensor:
-        return block_bytes(self.caches, ids)
 
 
 def open_consumer(
@@ -59,7 +44,12 @@ def open_consumer(
 ) -> Consumer:
     """A registered consumer; ``strided`` KV tensors are views with gaps between rows,
     which cannot be received into directly (the staging path)."""
-    settings = {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES, **config}
+    settings = {
+        "backend": "tcp",
+        "timeout_s": P2P_TIMEOUT_S,
+        "capacity_bytes": POOL_BYTES,
+        **config,
+    }
     connector = create_connector(settings)
     caches = empty_caches(num_blocks, layout)
     if strided:
@@ -74,7 +64,7 @@ def open_consumer(
 
 @pytest.fixture(scope="module")
 def producer() -> Iterator[PeerProcess]:
-    config = {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": POOL_BYTES}
+    config = {"backend": "tcp", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": POOL_BYTES}
     with spawn_peer(config, N, SEED) as peer:
         yield peer
 
@@ -89,17 +79,6 @@ def consumer() -> Iterator[Consumer]:
     c = open_consumer()
     yield c
     c.connector.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.001)
-
-
-def statuses(result: TransferResult) -> list[str]:
-    return [o.status.value for o in result.outcomes]
 
 
 # ------------------------------------------------------------ across processes
@@ -162,15 +141,15 @@ def test_killed_producer_fails_keys_within_timeout(
     consumer = open_consumer(num_blocks=big)
     try:
         with spawn_peer(
-            {"backend": "tcp", "timeout_s": TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
+            {"backend": "tcp", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
         ) as doomed:
             assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1  # warm link
             start = time.monotonic()
             handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
-            wait_until(lambda: bool(consumer.blocks([0]).any()), TIMEOUT_S)  # bytes flowing
+            wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # bytes flowing
             doomed.kill()
-            result = handle.result(timeout=TIMEOUT_S + GRACE_S)
-            assert time.monotonic() - start < TIMEOUT_S + 1
+            result = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
+            assert time.monotonic() - start < P2P_TIMEOUT_S + 1
         assert set(statuses(result)) <= {"ok", "failed"}
         assert result.by_status(Status.OK), "block 0 had arrived before the kill"
         assert result.by_status(Status.FAILED), "the producer died long before sending 64 MiB"
