@@ -58,3 +58,19 @@ def _inline(fn):
     fut: Future[object] = Future()
     fut.set_result(fn())
     return fut
+
+
+def test_transfer_cancelled_by_close_reports_failed_keys() -> None:
+    from concurrent.futures import Future
+
+    ks = keys(2)
+    fut: Future[object] = Future()
+    handle = Handle(tuple(ks), fut)
+    seen = []
+    handle.add_done_callback(seen.append)
+    fut.cancel()
+    assert handle.wait(0) is True
+    result = handle.result()
+    assert result.by_status(Status.FAILED) == ks
+    assert "cancelled" in (result.outcomes[0].reason or "")
+    assert seen == [result]

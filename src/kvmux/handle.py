@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -116,6 +116,8 @@ class Handle:
             self._future.result(timeout)
         except FutureTimeout:
             return False
+        except CancelledError:
+            pass
         return True
 
     def result(self, timeout: float | None = None) -> TransferResult:
@@ -126,6 +128,9 @@ class Handle:
             raise TransferTimeout(
                 f"transfer of {len(self.keys)} blocks not finished after {timeout} s"
             ) from None
+        except CancelledError:  # queued when its connector closed: it never ran
+            reason = failed("cancelled: the connector was closed before the transfer ran")
+            return TransferResult(self.keys, (reason,) * len(self.keys))
 
     def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
-        self._future.add_done_callback(lambda fut: fn(fut.result()))
+        self._future.add_done_callback(lambda _: fn(self.result()))
