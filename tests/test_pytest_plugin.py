@@ -11,8 +11,7 @@ import pytest
 from pydantic import DirectoryPath, FilePath, NewPath
 
 from kvmux.capabilities import Capabilities
-from kvmux.config import BackendConfig
-from kvmux.testing.configs import invent_paths
+from kvmux.config import BackendConfig, invent_paths
 from kvmux.testing.requirements import requires, unmet
 
 pytest_plugins = ("pytester",)

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from kvmux.bench.baselines import memcpy_seconds, socket_seconds
 from kvmux.bench.shapes import Shape
-from kvmux.config import BackendConfig
+from kvmux.config import BackendConfig, invent_paths
 from kvmux.connector import Connector
 from kvmux.keys import chain_keys
 from kvmux.registry.loader import load_class, resolve
@@ -151,10 +151,7 @@ def _config_for(name: str, shape: Shape, tmp: Path) -> dict[str, Any]:
     config: dict[str, Any] = {"backend": name}
     if "capacity_bytes" in model.model_fields:
         config["capacity_bytes"] = 2 * shape.nbytes
-    for field, info in model.model_fields.items():
-        if info.annotation is Path and info.is_required():
-            config[field] = str(tmp / field)
-    return config
+    return {**invent_paths(model, config, tmp), **config}
 
 
 def lookup_ms(name: str, n: int = 10_000) -> float:

@@ -9,15 +9,11 @@ storage by accident); everything else comes from the backend's defaults or
 
 from __future__ import annotations
 
-import types
-import typing
 from collections.abc import Mapping
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
-from pydantic.fields import FieldInfo
-
-from kvmux.config import BackendConfig
+from kvmux.config import BackendConfig, invent_paths
 from kvmux.connector import Connector
 from kvmux.registry.factory import create_connector
 from kvmux.registry.loader import load_class, resolve
@@ -35,20 +31,6 @@ def suite_config(name: str, given: Mapping[str, Any], tmp_path: Path) -> dict[st
     return {**invent_paths(model, data, tmp_path), **data}
 
 
-def invent_paths(
-    model: type[BackendConfig], given: Mapping[str, Any], tmp_path: Path
-) -> dict[str, str]:
-    """A fresh path under ``tmp_path`` for each required path field ``given`` lacks."""
-    invented: dict[str, str] = {}
-    for field, info in model.model_fields.items():
-        if field in given or not info.is_required():
-            continue
-        path = _fresh_path(field, info, tmp_path)
-        if path is not None:
-            invented[field] = str(path)
-    return invented
-
-
 def registry_factory(name: str, given: Mapping[str, Any], tmp_path: Path) -> ConnectorFactory:
     """A factory building ``name`` through the registry, exactly as an engine would.
 
@@ -62,25 +44,3 @@ def registry_factory(name: str, given: Mapping[str, Any], tmp_path: Path) -> Con
         return create_connector({**base, **overrides})
 
     return factory
-
-
-def _fresh_path(field: str, info: FieldInfo, tmp_path: Path) -> Path | None:
-    """A new directory for a path field (a path that does not exist yet for
-    pydantic's ``NewPath``); None for fields the suite cannot invent."""
-    if not _is_path(info.annotation):
-        return None
-    kinds = {getattr(m, "path_type", None) for m in info.metadata}
-    if "file" in kinds:
-        return None  # an existing file with backend-specific content: only the user knows it
-    path = tmp_path / f"kvmux-{field}"
-    if "new" not in kinds:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _is_path(annotation: Any) -> bool:
-    if isinstance(annotation, type):
-        return issubclass(annotation, PurePath)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_is_path(arg) for arg in typing.get_args(annotation) if arg is not type(None))
-    return False
