@@ -49,8 +49,10 @@ def run(args: argparse.Namespace) -> int:
             bar.update()
             for shape in shapes:
                 bar.set_postfix_str(f"{backend} {shape.name}")
-                record = bench_backend(backend, shape, args.repeats)
-                records.append(record.model_copy(update={"lookup_ms_10k": lookup}))
+                records += [
+                    r.model_copy(update={"lookup_ms_10k": lookup})
+                    for r in bench_backend(backend, shape, args.repeats)
+                ]
                 bar.update()
     if args.json:
         print(json.dumps([r.model_dump() for r in records], indent=2))

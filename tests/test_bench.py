@@ -1,0 +1,40 @@
+"""``kvmux bench`` measures real transfers next to baselines and reports them as records."""
+
+from __future__ import annotations
+
+import json
+
+from kvmux.bench.shapes import Shape
+from kvmux.bench.transfer import bench_backend
+
+from support import kvmux_cli
+
+TINY = Shape("tiny", blocks=8, layers=2, tokens=16, heads=2)
+
+
+def test_socket_backends_are_measured_next_to_memcpy_and_a_raw_socket() -> None:
+    records = bench_backend("tcp", TINY, repeats=1)
+    assert [r.baseline for r in records] == ["memcpy", "socket"]
+    for r in records:
+        assert r.error is None and r.gbps is not None and r.gbps > 0
+        assert r.ratio is not None and r.ratio > 0 and r.baseline_gbps > 0
+    assert records[0].gbps == records[1].gbps  # one measurement, two baselines
+
+
+def test_a_failing_backend_is_a_row_with_its_error_not_a_crash() -> None:
+    (broken,) = bench_backend("nosuchbackend", TINY, repeats=1)
+    assert broken.gbps is None and broken.ratio is None
+    assert broken.error is not None and "nosuchbackend" in broken.error
+
+
+def test_cli_json_records_carry_the_documented_fields() -> None:
+    proc = kvmux_cli(
+        "bench", "--backend", "cpu", "--shape", "256x256KiB", "--repeats", "1", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    (record,) = json.loads(proc.stdout)
+    for field in ("backend", "shape", "gbps", "baseline", "baseline_gbps", "ratio"):
+        assert record[field] is not None, field
+    assert record["backend"] == "cpu" and record["shape"] == "256x256KiB"
+    assert record["lookup_ms_10k"] > 0
+    assert "kvmux bench" in proc.stderr  # the progress bar goes to stderr
