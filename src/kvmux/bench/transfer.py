@@ -15,10 +15,10 @@ from pydantic import BaseModel
 
 from kvmux.bench.baselines import memcpy_seconds, socket_seconds
 from kvmux.bench.shapes import Shape
-from kvmux.config import BackendConfig, invent_paths
+from kvmux.config import invent_paths
 from kvmux.connector import Connector
 from kvmux.keys import chain_keys
-from kvmux.registry.loader import load_class, resolve
+from kvmux.registry.loader import config_model_for
 
 
 class BenchRecord(BaseModel):
@@ -161,7 +161,7 @@ def _pair(name: str, shape: Shape) -> Iterator[tuple[Connector, Connector, dict[
 
 def _config_for(name: str, shape: Shape, tmp: Path) -> dict[str, Any]:
     """The backend's defaults, plus room for the batch and a directory where wanted."""
-    model: type[BackendConfig] = getattr(load_class(resolve(name)), "config_model", BackendConfig)
+    model = config_model_for(name)
     config: dict[str, Any] = {"backend": name}
     if "capacity_bytes" in model.model_fields:
         config["capacity_bytes"] = 2 * shape.nbytes

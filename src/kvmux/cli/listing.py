@@ -41,8 +41,9 @@ def records(check: bool = False, group: str | None = None) -> list[dict[str, Any
 
 
 def _reason(entry: BackendEntry, check: bool) -> str | None:
-    if not check or entry.unavailable_reason() is not None:
-        return entry.unavailable_reason()
+    reason = entry.unavailable_reason()
+    if not check or reason is not None:
+        return reason
     from kvmux.registry.loader import load_check  # imports stevedore only when asked
 
     return load_check(entry)

@@ -14,12 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def schema_for(name: str) -> dict[str, Any]:
-    from kvmux.config import BackendConfig
-    from kvmux.registry.loader import load_class, resolve
+    from kvmux.registry.loader import config_model_for
 
-    cls = load_class(resolve(name))
-    model: type[BackendConfig] = getattr(cls, "config_model", BackendConfig)
-    return model.model_json_schema()
+    return config_model_for(name).model_json_schema()
 
 
 def run(args: argparse.Namespace) -> int:

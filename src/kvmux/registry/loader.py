@@ -99,6 +99,17 @@ def load_check(entry: BackendEntry) -> str | None:
     return None
 
 
+def config_model_of(cls: type[Any]) -> type[BackendConfig]:
+    """The config model a loaded backend class declares (the base model if none)."""
+    model: type[BackendConfig] = getattr(cls, "config_model", BackendConfig)
+    return model
+
+
+def config_model_for(name: str) -> type[BackendConfig]:
+    """The config model of the backend called ``name`` (imports that backend)."""
+    return config_model_of(load_class(resolve(name)))
+
+
 def parse_config(
     config: ConfigLike, groups: tuple[str, ...] = _CONNECTOR_SEARCH
 ) -> tuple[BackendEntry, type[Any], BackendConfig]:
@@ -109,7 +120,7 @@ def parse_config(
         raise ConfigError(None, [("backend", "a backend name is required", name)])
     entry = resolve(name, groups)
     cls = load_class(entry)
-    model: type[BackendConfig] = getattr(cls, "config_model", BackendConfig)
+    model = config_model_of(cls)
     if isinstance(config, model):
         return entry, cls, config
     try:

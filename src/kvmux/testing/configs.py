@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvmux.config import BackendConfig, invent_paths
+from kvmux.config import invent_paths
 from kvmux.connector import Connector
 from kvmux.registry.factory import create_connector
-from kvmux.registry.loader import load_class, resolve
+from kvmux.registry.loader import config_model_for
 from kvmux.testing.harness import ConnectorFactory
 
 SUITE_TIMEOUT_S = 10.0
@@ -26,7 +26,7 @@ loaded 2-core machine, short enough that a hung transfer fails a test quickly.""
 
 def suite_config(name: str, given: Mapping[str, Any], tmp_path: Path) -> dict[str, Any]:
     """``{"backend": name, ...given}`` plus whatever required fields the suite can invent."""
-    model: type[BackendConfig] = getattr(load_class(resolve(name)), "config_model", BackendConfig)
+    model = config_model_for(name)
     data: dict[str, Any] = {"timeout_s": SUITE_TIMEOUT_S, **given, "backend": name}
     return {**invent_paths(model, data, tmp_path), **data}
 
