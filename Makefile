@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` and `make test` each set up everything
 # they need on a fresh machine (a .venv with torch's CPU build first, then kvmux
-# and its dev tools) and are cheap to repeat: set-up reruns only when
-# pyproject.toml changes.
+# with vLLM for the CPU and its dev tools) and are cheap to repeat: set-up reruns
+# only when pyproject.toml changes.
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip
 	$(PIP) install $(TORCH)
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,vllm]'
+	# PyPI's torchvision & co. are CUDA builds that break transformers' imports on
+	# a CPU torch; vLLM does not need them on the CPU, nor triton (shared/NOTES.md).
+	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
 	touch $@
 
 demo: $(STAMP)

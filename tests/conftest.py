@@ -1,7 +1,25 @@
-"""Shared fixtures: small KV layouts and fake installed distributions."""
+"""Shared fixtures: small KV layouts, fake installed distributions, the vLLM reference."""
 
 from __future__ import annotations
 
+import pytest
+
 from support import caches, fake_dist, layout
 
-__all__ = ["caches", "fake_dist", "layout"]
+__all__ = ["caches", "fake_dist", "layout", "tiny_model_dir", "vllm_reference"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> str:
+    from kvmux.models import tiny_model
+
+    return str(tiny_model())
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(tiny_model_dir: str) -> list[list[int]]:
+    """Greedy tokens of one plain vLLM instance for the shared prompts: what kvmux must match."""
+    pytest.importorskip("vllm")
+    from vllm_e2e_support import reference_tokens
+
+    return reference_tokens(tiny_model_dir)

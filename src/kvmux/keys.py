@@ -71,11 +71,16 @@ def chain_keys(token_ids: Sequence[int], block_size: int, namespace: str = "") -
     keys: list[BlockKey] = []
     parent: BlockKey | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        chunk = token_ids[start : start + block_size]
-        content = b"".join(int(t).to_bytes(8, "little", signed=True) for t in chunk)
-        parent = BlockKey.child(parent, content, namespace)
+        parent = BlockKey.child(
+            parent, token_bytes(token_ids[start : start + block_size]), namespace
+        )
         keys.append(parent)
     return keys
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The bytes a block key hashes for these tokens: each id as 8 bytes, little-endian."""
+    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids)
 
 
 def check_unique(keys: Iterable[BlockKey]) -> None:

@@ -1,4 +1,7 @@
-"""``kvmux bench``: each backend's save+load throughput beside its baseline, same run."""
+"""``kvmux bench``: each backend's save+load throughput beside its baseline, same run.
+
+``kvmux bench vllm`` measures inside real vLLM engines instead (:mod:`kvmux.bench.vllm`).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,17 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "suite",
+        nargs="?",
+        choices=("transfer", "multi", "vllm"),
+        default="transfer",
+        help="transfer: backends beside memcpy/sockets (default); multi: compositions "
+        "beside their children; vllm: inside vLLM engines",
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="vllm: prompts per round")
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="vllm: tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=16, help="vllm: tokens generated")
+    parser.add_argument(
         "--backend",
         action="append",
         metavar="NAME",
@@ -32,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "vllm":
+        return _run_vllm(args)
+    if args.suite == "multi":
+        return _run_multi(args)
     from tqdm import tqdm
 
     from kvmux.bench.transfer import bench_backend, lookup_ms
@@ -61,10 +79,62 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.error for r in records) else 0
 
 
-def _available_connectors() -> list[str]:
-    from kvmux.registry.entries import scan
+def _run_multi(args: argparse.Namespace) -> int:
+    from kvmux.bench.multi import bench_multi, table
 
-    return [e.name for e in scan("connectors") if e.unavailable_reason() is None]
+    records = [
+        r for name in (args.shape or SHAPES) for r in bench_multi(SHAPES[name], args.repeats)
+    ]
+    if args.json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+    else:
+        print(table(records))
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from kvmux.bench.vllm import VllmBenchConfig, run_bench, table
+
+    cfg = VllmBenchConfig(
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats if args.repeats != 5 else 3,
+        backends=tuple(args.backend) if args.backend else VllmBenchConfig().backends,
+    )
+    records = run_bench(cfg, progress=lambda msg: print(f"... {msg}", file=sys.stderr))
+    if args.json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+    else:
+        print(table(records))
+    return 0
+
+
+def _available_connectors() -> list[str]:
+    """Loadable connectors that work from their defaults (plus an invented scratch path);
+    compositions such as ``multi`` or ``checksum`` need children and are left out."""
+    import tempfile
+    from pathlib import Path
+
+    from kvmux.config import invent_paths
+    from kvmux.errors import KvmuxError
+    from kvmux.registry.entries import scan
+    from kvmux.registry.loader import config_model_for
+
+    names = []
+    for entry in scan("connectors"):
+        if entry.unavailable_reason() is not None:
+            continue
+        try:
+            model = config_model_for(entry.name)
+            config = {"backend": entry.name}
+            model.model_validate(
+                {**invent_paths(model, config, Path(tempfile.gettempdir())), **config}
+            )
+        except (KvmuxError, ValueError):
+            continue
+        names.append(entry.name)
+    return names
 
 
 def _table(records: Sequence[BenchRecord]) -> str:

@@ -1,56 +1,96 @@
-"""``kvmux demo``: a prefill -> decode KV hand-off between two OS processes.
+"""``kvmux demo``: prefill on one vLLM server, decode on another, KV moved by kvmux.
 
-A "prefill" process fills its KV memory, saves the blocks and publishes its
-address; this process plays "decode": it asks how many leading blocks the
-producer has, pulls them into its own (empty) KV memory, and checks every byte
-against an independent recomputation of what prefill held. It does this for
-each peer-to-peer backend that ships with kvmux (``shm`` on one host, ``tcp``
-across hosts). The vLLM adapter replaces this with real engines.
+``kvmux demo`` runs :mod:`kvmux.demo.run` (needs the ``vllm`` extra);
+``kvmux demo --transfer-only`` runs :mod:`kvmux.demo.transfer`, the hand-off
+between two plain processes, which needs neither vLLM nor aiohttp. Only
+argparse is imported here: ``kvmux --help`` builds these arguments everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import importlib.util
+import signal
+import sys
+import threading
+from pathlib import Path
 
-DEMO_BACKENDS = ("shm", "tcp")
+from kvmux.errors import KvmuxError
+
+BACKENDS = ("shm", "tcp")
+MODELS = ("tiny", "medium", "large")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=256, help="blocks to hand off (256 KiB each)")
     parser.add_argument(
-        "--backend", action="append", choices=DEMO_BACKENDS, help="default: shm and tcp"
+        "--transfer-only",
+        action="store_true",
+        help="no vLLM: hand blocks between two processes with each backend, byte-checked",
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        help="kvmux backend (default shm; --transfer-only: shm and tcp, repeatable)",
+    )
+    parser.add_argument(
+        "--model", choices=MODELS, default="medium", help="tiny model size (default medium)"
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=[300, 520, 760, 1000],
+        help="one prompt of each length, in tokens (default 300 520 760 1000)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--log-dir", type=Path, help="server logs (default: a new temp dir)")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=256,
+        help="--transfer-only: blocks to hand off (256 KiB each)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    if args.transfer_only:
+        from kvmux.demo.transfer import run_transfer
 
-    from kvmux.registry import create_connector
-    from kvmux.testing.peer import block_bytes, empty_caches, make_caches, make_layout, spawn_peer
+        return run_transfer(args.blocks, args.backend)
+    if args.backend and len(set(args.backend)) > 1:
+        raise KvmuxError("the vLLM demo uses one backend: give --backend once")
+    missing = [m for m in ("vllm", "aiohttp") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise KvmuxError(
+            f"kvmux demo needs {' and '.join(missing)}: pip install 'kvmux[vllm]' "
+            "(or run `kvmux demo --transfer-only`, which needs neither)"
+        )
+    from pydantic import ValidationError
 
-    seed, layout = 7, "large"
-    expected = block_bytes(make_caches(seed, args.blocks, layout), range(args.blocks))
-    all_identical = True
-    print(f"{'backend':<8} {'asked':>6} {'hit':>6} {'MiB':>8} {'load s':>8} {'GB/s':>7}  identical")
-    for backend in args.backend or DEMO_BACKENDS:
-        config = {"backend": backend, "capacity_bytes": 2 * expected.numel()}
-        with spawn_peer(config, args.blocks, seed, layout) as prefill:
-            caches = empty_caches(args.blocks, layout)
-            with create_connector({"backend": backend}) as decode:
-                decode.register(make_layout(caches), caches)
-                hit = decode.lookup(prefill.keys, prefill.address)
-                blocks = list(range(args.blocks))[::-1]  # land anywhere: reversed on purpose
-                start = time.perf_counter()
-                result = decode.load(prefill.keys[:hit], blocks[:hit], prefill.address).result()
-                seconds = time.perf_counter() - start
-            got = block_bytes(caches, blocks)
-            identical = result.ok and hit == args.blocks and torch.equal(got, expected)
-            all_identical &= identical
-            print(
-                f"{backend:<8} {args.blocks:>6} {hit:>6} {result.nbytes / 2**20:>8.1f} "
-                f"{seconds:>8.3f} {result.nbytes / seconds / 1e9:>7.2f}  "
-                f"{'yes' if identical else 'NO'}"
-            )
-    print("every byte identical to what prefill held" if all_identical else "MISMATCH")
-    return 0 if all_identical else 1
+    from kvmux.demo.run import DemoSettings, run_demo
+
+    try:
+        settings = DemoSettings(
+            backend=args.backend[0] if args.backend else "shm",
+            model=args.model,
+            prompt_tokens=tuple(args.prompt_tokens),
+            max_tokens=args.max_tokens,
+            log_dir=args.log_dir,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(err["msg"] for err in exc.errors())
+        raise KvmuxError(f"invalid demo settings: {problems}") from None
+    _stop_on_sigterm()
+    try:
+        return run_demo(settings)
+    except KeyboardInterrupt:
+        print("kvmux demo: interrupted; every server it started is stopped", file=sys.stderr)
+        return 130
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the demo's ``finally`` stops every server it started."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

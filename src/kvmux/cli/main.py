@@ -17,7 +17,9 @@ _COMMANDS = {
     "list": ("kvmux.cli.listing", "show installed backends and whether they can load here"),
     "schema": ("kvmux.cli.schema", "print a backend's config JSON schema"),
     "bench": ("kvmux.cli.bench", "measure save+load throughput next to memcpy / raw sockets"),
-    "demo": ("kvmux.cli.demo", "prefill -> decode hand-off between two processes"),
+    "demo": ("kvmux.cli.demo", "prefill and decode vLLM servers handing KV over through kvmux"),
+    "model": ("kvmux.cli.model", "build (or find cached) a tiny random-weight model for vLLM"),
+    "proxy": ("kvmux.cli.proxy", "OpenAI-compatible prefill/decode proxy in front of vLLM"),
 }
 
 

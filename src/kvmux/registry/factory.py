@@ -6,10 +6,11 @@ from kvmux.bridges import BufferConnector, PipeLookupBuffer
 from kvmux.buffer import LookupBuffer
 from kvmux.connector import Connector
 from kvmux.errors import BackendUnavailableError
+from kvmux.multi.policy import Policy
 from kvmux.pipe import Pipe
-from kvmux.registry.loader import ConfigLike, parse_config
+from kvmux.registry.loader import ConfigLike, load_class, parse_config, resolve
 
-_KINDS = {"connectors": Connector, "buffers": LookupBuffer, "pipes": Pipe}
+_KINDS = {"connectors": Connector, "buffers": LookupBuffer, "pipes": Pipe, "policies": Policy}
 
 
 def create_connector(config: ConfigLike) -> Connector:
@@ -41,6 +42,16 @@ def create_pipe(config: ConfigLike) -> Pipe:
     _check_kind(entry.name, entry.group, cls)
     pipe: Pipe = cls(cfg)
     return pipe
+
+
+def load_policy(name: str) -> type[Policy]:
+    """The MultiConnector policy called ``name`` (entry-point group ``kvmux.policies``),
+    imported on first use; UnknownBackendError with a did-you-mean otherwise."""
+    entry = resolve(name, ("policies",))
+    cls = load_class(entry)
+    _check_kind(entry.name, entry.group, cls)
+    policy: type[Policy] = cls
+    return policy
 
 
 def _check_kind(name: str, group: str, cls: object) -> None:

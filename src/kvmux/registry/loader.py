@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
-from pydantic import ValidationError
+from pydantic import BeforeValidator, SerializeAsAny, ValidationError, WithJsonSchema
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from stevedore import driver
 from stevedore.exception import NoUniqueMatch
 
@@ -151,3 +152,46 @@ def _as_mapping(config: ConfigLike) -> Mapping[str, Any]:
 
 def _known(groups: tuple[str, ...]) -> list[str]:
     return [e.name for g in groups for e in scan(g) if e.shadowed_by is None]
+
+
+def nested_config(value: Any) -> BackendConfig:
+    """Validate a backend config nested in another one (a MultiConnector's children,
+    a wrapper's inner backend) through the registry, like a top-level config.
+
+    Meant as a pydantic ``BeforeValidator``: the nested backend's problems are
+    re-raised as one pydantic error each, so pydantic prefixes them with where
+    the config sits (``children.1.capacity_bytes``) and the outermost
+    :class:`ConfigError` names the full path, nested configs included.
+    """
+    try:
+        _, _, config = parse_config(value)
+    except ConfigError as exc:
+        details = [_error_detail(path, msg, got) for path, msg, got in exc.problems]
+    except (UnknownBackendError, BackendUnavailableError) as exc:
+        details = [_error_detail("backend", str(exc), exc.name)]
+    else:
+        return config
+    raise ValidationError.from_exception_data("nested backend config", details)
+
+
+def _error_detail(path: str, msg: str, value: Any) -> InitErrorDetails:
+    loc = tuple(int(part) if part.isdigit() else part for part in path.split(".") if part)
+    return InitErrorDetails(
+        type=PydanticCustomError("nested_config", "{message}", {"message": msg}),
+        loc=loc,
+        input=value,
+    )
+
+
+NestedConfig = Annotated[
+    SerializeAsAny[BackendConfig],
+    BeforeValidator(nested_config),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "description": 'a backend config: {"backend": NAME, ...NAME\'s fields}',
+            "required": ["backend"],
+        }
+    ),
+]
+"""A config field holding another backend's config, validated through the registry."""

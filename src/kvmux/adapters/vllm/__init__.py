@@ -1,0 +1,21 @@
+"""kvmux as a vLLM KV connector: ``--kv-transfer-config '{"kv_connector": "kvmux", ...}'``.
+
+vLLM has no entry-point group for connectors, but it runs every
+``vllm.general_plugins`` entry point in each of its processes before it
+creates one; kvmux's (``register``) adds ``kvmux`` to vLLM's connector
+factory there. Importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "kvmux"
+CONNECTOR_MODULE = "kvmux.adapters.vllm.connector"
+CONNECTOR_CLASS = "KvmuxConnector"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook: make ``"kv_connector": "kvmux"`` resolvable."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)

@@ -1,0 +1,76 @@
+"""The adapter's share of ``kv_connector_extra_config``.
+
+vLLM hands a connector one free-form dict. kvmux reads it as a backend config
+(``{"backend": "shm", ...}``, exactly what ``create_connector`` takes) plus an
+optional ``"vllm"`` object with the adapter's own options, so a user who knows
+kvmux's config already knows this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvmux.config import BackendConfig
+from kvmux.errors import ConfigError
+from kvmux.registry import parse_config
+
+ADAPTER_KEY = "vllm"
+
+
+class AdapterOptions(BaseModel):
+    """How the adapter drives the backend; every field has a safe default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str | None = Field(
+        None,
+        description=(
+            "names the model in every block key; instances share blocks only when it is "
+            "equal. Default: model name, dtype, KV dtype and block size"
+        ),
+    )
+    lease_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "longest the producer keeps a finished request's blocks for a consumer that "
+            "never pulls; then the backend is told to release them"
+        ),
+    )
+    save_generated: bool = Field(
+        True, description="also save blocks filled by generated tokens (multi-turn reuse)"
+    )
+
+
+def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, AdapterOptions]:
+    """Validate ``kv_connector_extra_config``; errors name the field path and value."""
+    data = dict(extra or {})
+    if "backend" not in data:
+        raise ConfigError(
+            None,
+            [
+                (
+                    "kv_connector_extra_config.backend",
+                    'name a kvmux backend, e.g. {"backend": "shm"} (see `kvmux list`)',
+                    None,
+                )
+            ],
+        )
+    raw_options = data.pop(ADAPTER_KEY, None) or {}
+    try:
+        options = AdapterOptions.model_validate(raw_options)
+    except ValidationError as exc:
+        problems = [
+            (
+                ".".join([ADAPTER_KEY, *(str(p) for p in err["loc"])]),
+                err["msg"],
+                err.get("input"),
+            )
+            for err in exc.errors()
+        ]
+        raise ConfigError("vllm adapter", problems) from None
+    _, _, backend = parse_config(data)
+    return backend, options

@@ -1,0 +1,34 @@
+"""What the scheduler-side connector tells the worker-side one each engine step.
+
+Plain dataclasses: vLLM carries them inside ``SchedulerOutput`` to the workers
+(in-process, or through its own serialisation between its processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvmux.keys import BlockKey
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request to move: ``keys[i]`` names engine block ``block_ids[i]``."""
+
+    req_id: str
+    keys: tuple[BlockKey, ...]
+    block_ids: tuple[int, ...]
+    source: dict[str, Any] | None = None
+
+
+@dataclass
+class KvmuxMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+    delay_freed: list[str] = field(default_factory=list)
+    """Requests whose blocks vLLM keeps until the worker reports them finished sending."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests whose blocks vLLM freed at preemption: their saves must end before reuse."""

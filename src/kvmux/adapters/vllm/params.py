@@ -1,0 +1,67 @@
+"""``kv_transfer_params``: what travels between a prefill and a decode instance.
+
+vLLM's P/D convention (shared by its NixlConnector and the proxies written for
+it): the proxy sends the prefill request with ``do_remote_decode: true``; the
+prefill instance answers with params that the proxy passes, untouched, to the
+decode request, which then finds ``do_remote_prefill: true``. kvmux keeps the
+standard fields so those proxies work unchanged and puts what it needs under
+``kvmux``. Everything is validated: these params come from the network.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvmux.keys import BlockKey
+
+
+class Published(BaseModel):
+    """Where the decode instance finds the prompt's KV, and how to check it is the right KV."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str
+    source: dict[str, Any] | None = Field(
+        None, description="the producer connector's address(); None for shared stores"
+    )
+    namespace: str
+    num_tokens: int = Field(ge=1, description="prompt tokens whose KV was published")
+    last_key: str = Field(
+        description="id of the key of the last published block: the consumer recomputes "
+        "its keys from its own tokens and loads only if they end in the same key"
+    )
+
+
+class TransferParams(BaseModel):
+    """The ``kv_transfer_params`` object in requests and responses (vLLM's field names)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    kvmux: Published | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="the prompt as the prefill tokenised it; proxies may send it to decode"
+    )
+
+    @classmethod
+    def parse(cls, raw: Any) -> TransferParams | None:
+        """Params of a request, or None when absent; malformed params raise ValueError."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(raw).__name__}")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ValueError(f"invalid kv_transfer_params: {exc}") from None
+
+
+def published_key_matches(published: Published, keys: list[BlockKey]) -> bool:
+    """Whether the consumer's own last key equals the producer's (same tokens, same model)."""
+    return bool(keys) and keys[-1].id == published.last_key

@@ -1,0 +1,321 @@
+"""The scheduler half of the adapter: decides which blocks move, never moves any.
+
+It keys every request's blocks (``keys.py``), answers vLLM's "how many tokens
+can you load?" (from the request's ``kv_transfer_params`` for P/D, from a
+lookup for reuse), and each step tells the worker which blocks to load and
+which newly computed blocks to save (``metadata.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvmux.adapters.vllm import live
+from kvmux.adapters.vllm.config import AdapterOptions
+from kvmux.adapters.vllm.keys import RequestKeys, request_namespace
+from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.params import Published, TransferParams, published_key_matches
+from kvmux.config import BackendConfig
+from kvmux.connector import Connector
+from kvmux.keys import BlockKey
+from kvmux.registry import create_connector
+
+log = logging.getLogger("kvmux.vllm")
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    keys: RequestKeys
+    publish: bool = False
+    """The request asked for remote decode: publish its whole prompt when it finishes."""
+    local_hit: int = 0
+    """Leading full blocks vLLM found in its own prefix cache (this request did not save them)."""
+    saved: int = 0
+    """Full blocks, from the start, that are saved or were loaded through kvmux."""
+    saves_planned: int = 0
+    """Save batches sent to the worker so far."""
+    published: bool = False
+    loading: bool = False
+    load_blocks: frozenset[int] = frozenset()
+    load_failed: bool = False
+    """A load of this request lost blocks: vLLM recomputes them; asking again would loop."""
+    remote: tuple[Published, list[BlockKey]] | None = None
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        backend: BackendConfig,
+        options: AdapterOptions,
+        *,
+        engine_id: str,
+        namespace: str,
+        block_size: int,
+        can_load: bool,
+        can_save: bool,
+    ) -> None:
+        self.backend = backend
+        self.options = options
+        self.engine_id = engine_id
+        self.namespace = namespace
+        self.block_size = block_size
+        self.can_load = can_load
+        self.can_save = can_save
+        self._tracked: dict[str, _Tracked] = {}
+        self._next = KvmuxMetadata()
+        self._kv_cache_manager: Any = None
+        self._address: dict[str, Any] | None = None
+        self._own: Connector | None = None
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def set_worker_address(self, address: dict[str, Any] | None) -> None:
+        self._address = address
+
+    # ------------------------------------------------------------------ loads
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        tracked = self._track(request)
+        params = self._params(request)
+        tracked.publish = bool(params and params.do_remote_decode and self.can_save)
+        tracked.local_hit = num_computed // self.block_size
+        tracked.remote = None
+        if not self.can_load or tracked.load_failed:
+            return 0, False
+        if params is not None and params.do_remote_prefill:
+            return self._remote_match(request, tracked, params, num_computed)
+        return self._local_match(request, tracked, num_computed)
+
+    def _remote_match(
+        self, request: Any, tracked: _Tracked, params: TransferParams, num_computed: int
+    ) -> tuple[int, bool]:
+        published = params.kvmux
+        if published is None:
+            log.warning(
+                "kvmux: request %s asks for a remote prefill but its kv_transfer_params "
+                "carry no kvmux section (sent by another connector?); computing locally",
+                request.request_id,
+            )
+            return 0, False
+        if published.num_tokens > request.num_prompt_tokens:
+            log.warning(
+                "kvmux: request %s: the prefill published %d tokens, more than the "
+                "%d-token prompt; computing locally",
+                request.request_id,
+                published.num_tokens,
+                request.num_prompt_tokens,
+            )
+            return 0, False
+        keys = tracked.keys.upto(request.prompt_token_ids, published.num_tokens)
+        if published.namespace != tracked.keys.namespace or not published_key_matches(
+            published, keys
+        ):
+            log.warning(
+                "kvmux: request %s: the prefill's KV is for other tokens or another model "
+                "(namespace %s vs %s); computing locally",
+                request.request_id,
+                published.namespace,
+                tracked.keys.namespace,
+            )
+            return 0, False
+        count = published.num_tokens - num_computed
+        if count <= 0:
+            return 0, False
+        tracked.remote = (published, keys)
+        return count, True
+
+    def _local_match(self, request: Any, tracked: _Tracked, num_computed: int) -> tuple[int, bool]:
+        first = num_computed // self.block_size
+        num_full = request.num_tokens // self.block_size
+        if num_full <= first:
+            return 0, False
+        keys = tracked.keys.full(request.all_token_ids, num_full)[first:]
+        hits = self._lookup(keys)
+        return (hits * self.block_size, True) if hits else (0, False)
+
+    def _lookup(self, keys: list[BlockKey]) -> int:
+        worker = live.find(self.engine_id)
+        source: dict[str, Any] | None = None
+        if worker is not None:
+            connector = worker.connector
+        else:
+            connector = self._own_connector()
+            if connector.capabilities.p2p:  # ask the worker's own server
+                source = self._address
+        try:
+            return connector.lookup(keys, source)
+        except Exception as exc:  # a sick backend means a miss, not a dead scheduler
+            log.warning(
+                "kvmux: lookup failed (%s: %s); treating as a miss", type(exc).__name__, exc
+            )
+            return 0
+
+    def _own_connector(self) -> Connector:
+        """For workers in other processes: a connector of the same config, for lookups only.
+
+        It sees stores every process can see (``disk``, remote stores) and asks
+        a P2P backend's worker through its address; a process-local store
+        (``cpu``) is invisible from here, which is said once in the log.
+        """
+        if self._own is None:
+            self._own = create_connector(self.backend)
+            caps = self._own.capabilities
+            if not (caps.p2p or caps.persistent):
+                log.warning(
+                    "kvmux: vLLM runs the worker in another process, where backend %r keeps "
+                    "its blocks out of the scheduler's sight: prefix reuse finds nothing. "
+                    "Start vLLM with --distributed-executor-backend uni (one process per "
+                    "engine) or use a shared backend (disk, tcp, shm)",
+                    self.backend.backend,
+                )
+        return self._own
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        if num_external <= 0:
+            return
+        tracked = self._track(request)
+        bs = self.block_size
+        local_tokens = tracked.local_hit * bs
+        first, last = tracked.local_hit, -(-(local_tokens + num_external) // bs)
+        block_ids = blocks.get_block_ids()[0][first:last]
+        source: dict[str, Any] | None = None
+        if tracked.remote is not None:
+            published, all_keys = tracked.remote
+            keys = all_keys[first:last]
+            source = published.source
+        else:
+            keys = tracked.keys.full(request.all_token_ids, last)[first:last]
+        self._next.loads.append(
+            BlockTransfer(request.request_id, tuple(keys), tuple(block_ids), source)
+        )
+        tracked.saved = (local_tokens + num_external) // bs
+        tracked.loading = True
+        tracked.load_blocks = frozenset(block_ids)
+
+    def loads_finished(self, req_ids: set[str] | None, invalid_block_ids: set[int]) -> None:
+        for req_id in req_ids or ():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.loading = False
+                if tracked.load_blocks & invalid_block_ids:
+                    tracked.load_failed = True
+                    tracked.saved = 0  # what vLLM recomputes is saved again
+
+    # ------------------------------------------------------------------ saves
+
+    def build_metadata(self, scheduler_output: Any) -> KvmuxMetadata:
+        meta, self._next = self._next, KvmuxMetadata()
+        if self.can_save:
+            spec = scheduler_output.scheduled_spec_decode_tokens or {}
+            for req_id, count in scheduler_output.num_scheduled_tokens.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    computed = (
+                        tracked.request.num_computed_tokens + count - len(spec.get(req_id, ()))
+                    )
+                    self._plan_saves(tracked, computed, meta)
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        return meta
+
+    def _plan_saves(self, tracked: _Tracked, computed: int, meta: KvmuxMetadata) -> None:
+        """Save the blocks this step fills; for a P/D prefill also its prefix-cache hits and
+        partial last block, in the step that ends the prefill, so the whole prompt is
+        published before vLLM returns the request's ``kv_transfer_params``."""
+        request = tracked.request
+        limit = request.num_tokens if self.options.save_generated else request.num_prompt_tokens
+        full = min(computed, limit) // self.block_size
+        start = max(tracked.saved, tracked.local_hit)
+        todo: list[tuple[int, BlockKey]] = []
+        if full > start:
+            keys = tracked.keys.full(request.all_token_ids, full)
+            todo = [(i, keys[i]) for i in range(start, full)]
+            tracked.saved = full
+        if tracked.publish and not tracked.published and computed >= request.num_prompt_tokens:
+            n = request.num_prompt_tokens
+            prompt = tracked.keys.upto(request.prompt_token_ids, n)
+            todo += [(i, prompt[i]) for i in range(tracked.local_hit)]
+            if n % self.block_size:
+                todo.append((len(prompt) - 1, prompt[-1]))  # the partial last block
+            tracked.published = True
+        if not todo:
+            return
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        meta.saves.append(
+            BlockTransfer(
+                request.request_id,
+                tuple(key for _, key in todo),
+                tuple(block_ids[i] for i, _ in todo),
+            )
+        )
+        tracked.saves_planned += 1
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None or tracked.loading:
+            # vLLM itself keeps the blocks of a request whose load is in flight.
+            return False, None
+        params = self._params_for_decode(tracked) if tracked.published else None
+        delay = not self._saves_ended(request.request_id, tracked)
+        if delay:
+            self._next.delay_freed.append(request.request_id)
+        return delay, params
+
+    def _saves_ended(self, req_id: str, tracked: _Tracked) -> bool:
+        if not tracked.saves_planned:
+            return True
+        worker = live.find(self.engine_id)
+        return worker is not None and worker.saves_ended(req_id, tracked.saves_planned)
+
+    def _params_for_decode(self, tracked: _Tracked) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a proxy passes to the decode instance."""
+        request = tracked.request
+        n = request.num_prompt_tokens
+        keys = tracked.keys.upto(request.prompt_token_ids, n)
+        address = self._address
+        if address is None and (worker := live.find(self.engine_id)) is not None:
+            address = worker.address()
+        host = address.get("host") if address else None
+        port = address.get("port") if address else None
+        params = TransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_host=host if isinstance(host, str) else None,
+            remote_port=port if isinstance(port, int) else None,
+            kvmux=Published(
+                backend=self.backend.backend,
+                source=address,
+                namespace=tracked.keys.namespace,
+                num_tokens=n,
+                last_key=keys[-1].id,
+            ),
+            prompt_token_ids=list(request.prompt_token_ids),
+        )
+        return params.model_dump(mode="json")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            namespace = request_namespace(self.namespace, request)
+            tracked = _Tracked(request, RequestKeys(namespace, self.block_size))
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    @staticmethod
+    def _params(request: Any) -> TransferParams | None:
+        try:
+            return TransferParams.parse(request.kv_transfer_params)
+        except ValueError as exc:
+            log.warning("kvmux: request %s: %s; ignoring them", request.request_id, exc)
+            return None
+
+    def close(self) -> None:
+        if self._own is not None:
+            self._own.close()

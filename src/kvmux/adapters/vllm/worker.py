@@ -1,0 +1,218 @@
+"""The worker half of the adapter: moves blocks in and out of this worker's KV memory.
+
+Loads are asynchronous: started after the step's forward, polled in
+``get_finished``, so a request waiting for remote KV never blocks the engine.
+Saves start at the end of the step that computed the blocks; vLLM keeps a
+finished request's blocks (delayed free) until every save of it has ended, or,
+for a consumer that never comes, until the lease ends and the backend has been
+told to release them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvmux.adapters.vllm import live
+from kvmux.adapters.vllm.config import AdapterOptions
+from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.stats import delta
+from kvmux.config import BackendConfig
+from kvmux.connector import Connector
+from kvmux.errors import LayoutError
+from kvmux.handle import Handle
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
+from kvmux.registry import create_connector
+
+log = logging.getLogger("kvmux.vllm")
+
+
+@dataclass
+class _Load:
+    transfer: BlockTransfer
+    handle: Handle
+
+
+@dataclass
+class _Saves:
+    handles: list[Handle] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
+    lease_ends: float | None = None
+    released: bool = False
+
+    def done(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        backend: BackendConfig,
+        options: AdapterOptions,
+        *,
+        engine_id: str,
+        block_size: int,
+        num_blocks: int,
+        key_suffix: str = "",
+    ) -> None:
+        self.options = options
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.key_suffix = key_suffix
+        self.connector: Connector = create_connector(backend)
+        self._loads: dict[str, _Load] = {}
+        self._saves: dict[str, _Saves] = {}
+        self._delay_freed: set[str] = set()
+        self._finished: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._reported: dict[str, float] = {}
+        self._adapter_counts: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layout = KVLayout.from_caches(kv_caches, self.block_size, self._block_dim(kv_caches))
+        self.connector.register(layout, kv_caches)
+        live.publish(self.engine_id, self)
+
+    def _block_dim(self, kv_caches: Mapping[str, torch.Tensor]) -> int:
+        """The dimension that indexes blocks: vLLM's CPU layout has it first, GPU ones second."""
+        shape = next(iter(kv_caches.values())).shape
+        for dim in (0, 1):
+            if dim < len(shape) and shape[dim] == self.num_blocks:
+                return dim
+        raise LayoutError(
+            f"cannot find the block dimension ({self.num_blocks} blocks) in KV shape {tuple(shape)}"
+        )
+
+    def address(self) -> dict[str, Any] | None:
+        return self.connector.address()
+
+    # ---------------------------------------------------------------- per step
+
+    def start_loads(self, meta: KvmuxMetadata) -> None:
+        for transfer in meta.loads:
+            handle = self.connector.load(
+                self._keys(transfer.keys), transfer.block_ids, transfer.source
+            )
+            self._loads[transfer.req_id] = _Load(transfer, handle)
+
+    def wait_for_preempted(self, meta: KvmuxMetadata) -> None:
+        """Saves reading a preempted request's blocks must end before vLLM reuses them."""
+        for req_id in meta.preempted:
+            saves = self._saves.get(req_id)
+            for handle in saves.handles if saves else ():
+                handle.wait(self.connector.config.timeout_s)
+
+    def start_saves(self, meta: KvmuxMetadata) -> None:
+        for transfer in meta.saves:
+            keys = self._keys(transfer.keys)
+            saves = self._saves.setdefault(transfer.req_id, _Saves())
+            saves.handles.append(self.connector.save(keys, transfer.block_ids))
+            saves.keys.extend(keys)
+        now = time.monotonic()
+        for req_id in meta.delay_freed:
+            self._delay_freed.add(req_id)
+            self._saves.setdefault(req_id, _Saves()).lease_ends = now + self.options.lease_s
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose delayed blocks vLLM may free, requests whose loads ended)."""
+        self._finished |= finished_req_ids
+        recving = {req_id for req_id, load in self._loads.items() if load.handle.poll()}
+        for req_id in recving:
+            self._finish_load(self._loads.pop(req_id))
+        sending = {r for r in self._delay_freed & self._finished if self._release_if_due(r)}
+        for req_id in sending:
+            self._delay_freed.discard(req_id)
+            self._saves.pop(req_id, None)
+        for req_id in self._finished - self._delay_freed - self._loads.keys():
+            saves = self._saves.get(req_id)
+            if saves is None or saves.done():
+                self._saves.pop(req_id, None)
+                self._finished.discard(req_id)
+        return sending, recving
+
+    def _finish_load(self, load: _Load) -> None:
+        result = load.handle.result()
+        bad = [
+            block_id
+            for block_id, outcome in zip(load.transfer.block_ids, result.outcomes, strict=True)
+            if not outcome.ok
+        ]
+        if bad:
+            first = next(o for o in result.outcomes if not o.ok)
+            log.warning(
+                "kvmux: request %s: %d of %d blocks did not load (%s: %s); vLLM's "
+                "kv_load_failure_policy decides what happens next",
+                load.transfer.req_id,
+                len(bad),
+                len(result.outcomes),
+                first.status,
+                first.reason,
+            )
+            self._load_errors.update(bad)
+            self._count("load_error_blocks", len(bad))
+
+    def _release_if_due(self, req_id: str) -> bool:
+        saves = self._saves.get(req_id)
+        if saves is None or saves.done():
+            return True
+        if saves.lease_ends is not None and time.monotonic() >= saves.lease_ends:
+            if not saves.released:
+                log.warning(
+                    "kvmux: request %s: lease of %.0f s ended before its blocks were "
+                    "pulled; releasing them",
+                    req_id,
+                    self.options.lease_s,
+                )
+                self.connector.release(saves.keys)
+                saves.released = True
+                self._count("lease_expired_requests")
+            return saves.done()
+        return False
+
+    def saves_ended(self, req_id: str, scheduled: int) -> bool:
+        """Whether all ``scheduled`` save batches of a request have started and ended."""
+        saves = self._saves.get(req_id)
+        started = len(saves.handles) if saves else 0
+        return started == scheduled and (saves is None or saves.done())
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> dict[str, float]:
+        """The backend's counters plus the adapter's own (load errors, expired leases)."""
+        return {**self.connector.stats(), **self._adapter_counts}
+
+    def stats_delta(self) -> dict[str, Any]:
+        """What changed since the last call: vLLM sums per-step reports itself."""
+        now = self.stats()
+        changed = delta(now, self._reported)
+        self._reported = now
+        return changed
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._adapter_counts[name] = self._adapter_counts.get(name, 0) + n
+
+    def _keys(self, keys: tuple[BlockKey, ...]) -> list[BlockKey]:
+        """Tensor-parallel ranks hold different heads: each saves under its own keys."""
+        if not self.key_suffix:
+            return list(keys)
+        return [BlockKey(k.digest, k.namespace + self.key_suffix) for k in keys]
+
+    def close(self) -> None:
+        for load in self._loads.values():
+            load.handle.wait(self.connector.config.timeout_s)
+        for saves in self._saves.values():
+            for handle in saves.handles:
+                handle.wait(self.connector.config.timeout_s)
+        live.withdraw(self.engine_id, self)
+        self.connector.close()

@@ -1,0 +1,61 @@
+"""``kvmux proxy``: serve the prefill/decode proxy (:mod:`kvmux.proxy`) until stopped.
+
+Only argparse is imported at module level: ``kvmux --help`` builds every
+subcommand's arguments and must work where the ``proxy`` extra (aiohttp) is
+not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvmux.errors import KvmuxError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a prefill vLLM server, e.g. http://127.0.0.1:8100 (repeat for more)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a decode vLLM server, e.g. http://127.0.0.1:8200 (repeat for more)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline for one client request, prefill and decode together (default 600)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from kvmux.proxy import config_from_flags, serve
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in ("aiohttp", "multidict", "yarl"):
+            raise
+        raise KvmuxError(
+            f"kvmux proxy needs aiohttp ({exc}); install it with: pip install 'kvmux[proxy]'"
+        ) from exc
+    config = config_from_flags(
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        timeout_s=args.timeout_s,
+    )
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    serve(config, on_ready=lambda url: print(f"kvmux proxy listening on {url}", flush=True))
+    return 0

@@ -1,0 +1,267 @@
+"""Processes the demo starts and must always stop: vLLM API servers and the kvmux proxy.
+
+A vLLM API server is a process *tree* (the API server plus its ``EngineCore``
+child, sometimes workers too). Killing only the PID we started would leave the
+engine running and holding its memory, so every server gets a session (and so
+a process group) of its own and is stopped by group: SIGTERM, a grace period,
+then SIGKILL. Its own session also keeps a terminal's Ctrl-C away from it, so
+the demo, not the terminal, decides the order things stop in.
+
+Servers log to a file, never to a pipe: nobody reads a pipe while the demo
+waits, and a full pipe would block vLLM. The file also outlives the demo, so
+a failed run can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from kvmux.errors import KvmuxError
+from kvmux.testing.vllm_engine import ENGINE_ENV
+
+if TYPE_CHECKING:
+    from kvmux.proxy import ProxyConfig
+
+HOST = "127.0.0.1"
+
+#: On top of :data:`ENGINE_ENV`: nothing may try the network (there is none here).
+SERVER_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+class ServerError(KvmuxError, RuntimeError):
+    """A server exited or did not become healthy; the message carries its log tail."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nobody listens on right now (vLLM takes a port number, not a socket)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port.
+
+    ``start`` returns at once, so several servers start side by side (their
+    start-up is mostly single-threaded Python imports); ``wait_ready`` then
+    blocks until ``GET /health`` answers. As a context manager it starts,
+    waits, and always stops.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        *,
+        log_dir: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.name = name
+        self.model = str(model)
+        self.args = list(args)
+        self.port = port if port is not None else free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.env = {**os.environ, **ENGINE_ENV, **SERVER_ENV, **(env or {})}
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> VllmServer:
+        if self._proc is not None:
+            raise ServerError(f"{self.name} was already started (pid {self._proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # its own process group: stopped as one (see module doc)
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ``/health`` answers 200; raise :class:`ServerError` if the
+        process exits first or ``timeout_s`` passes."""
+        if self._proc is None:
+            raise ServerError(f"{self.name} was never started")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise ServerError(self._failure(f"exited with status {code} while starting"))
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(self._failure(f"was not healthy after {timeout_s:.0f} s"))
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return int(resp.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _failure(self, what: str) -> str:
+        return (
+            f"vLLM server {self.name!r} ({self.url}, pid {self.pid}) {what}; "
+            f"log {self.log_path}, last lines:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the whole process group, SIGKILL to whatever is left after
+        ``grace_s``. Idempotent; safe on a server that never started or already died."""
+        if self._proc is None:
+            return
+        group = self._proc.pid  # start_new_session: the group id is the leader's PID
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(0.2)
+            if self._proc.poll() is not None and not _group_alive(group):
+                return
+        _signal_group(group, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(10)
+
+    def __enter__(self) -> VllmServer:
+        if self._proc is None:
+            self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.name!r}, {self.url}, pid={self.pid})"
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+class ProxyThread:
+    """The kvmux proxy (:func:`kvmux.proxy.running`) on an event loop in a daemon thread.
+
+    In-process rather than ``kvmux proxy`` in a subprocess: nothing to find on
+    ``PATH``, its port is known the moment it binds, and its errors surface
+    here as exceptions. The demo's client is synchronous, so the proxy needs a
+    loop of its own.
+    """
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.url = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kvmux-proxy", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Serve; returns the proxy's base URL once it listens."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise ServerError(f"the kvmux proxy did not start within {timeout_s:.0f} s")
+        if self._error is not None:
+            raise ServerError(f"the kvmux proxy failed to start: {self._error}") from self._error
+        return self.url
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from kvmux.proxy import running
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with running(self.config) as url:
+            self.url = url
+            self._ready.set()
+            await self._stop.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loop.call_soon_threadsafe(stop.set)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> ProxyThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

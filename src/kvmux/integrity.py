@@ -1,0 +1,205 @@
+"""``checksum``: any backend, with a per-block checksum verified on every load.
+
+``{"backend": "checksum", "inner": {"backend": "disk", "path": "/kv"}, "algorithm": "crc32"}``.
+
+A transport or store that damages bytes without noticing (a bad disk, a
+buggy peer, memory reused under a read) would otherwise hand the engine
+wrong KV values and so wrong tokens. Here a damaged block ends ``failed:
+checksum mismatch`` instead: the engine recomputes it, and inside a
+``multi`` with the ``fallback`` or ``tiered`` policy the next child is
+asked for it.
+
+Where the checksum lives: in the inner backend, next to the block it
+protects, as one more *layer* of the block. The inner backend is registered
+with the engine's KV tensors plus a small ``[num_blocks, 16]`` byte tensor
+(layer ``kvmux.checksum.<algorithm>``), so every block it stores carries a
+16-byte trailer. A save writes each block's digest into its trailer row
+before the inner backend copies the block; a load lets the inner backend
+fill block and trailer, then recomputes the digest. So the checksum is
+stored and moved atomically with its block, through whatever the inner
+backend is (a file, a remote store, a peer), survives restarts exactly as
+the block does, and costs no extra key, file or round trip. The extra layer
+changes the layout fingerprint, so blocks saved with and without
+checksums (or with another algorithm) are never confused.
+
+Algorithms (no dependency beyond the standard library): ``crc32``
+(``zlib``, the default: about 1 GB/s per core here, four times ``blake2b``)
+detects the random damage this layer is for; ``blake2b`` (16-byte digest)
+also resists deliberate collisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import Field
+
+from kvmux.config import BackendConfig
+from kvmux.connector import Address, Connector, Health
+from kvmux.errors import LayoutError
+from kvmux.handle import Handle, Outcome, Status, TransferResult, failed
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout, LayerSpec
+from kvmux.registry.factory import create_connector
+from kvmux.registry.loader import NestedConfig, parse_config
+
+TRAILER_BYTES = 16
+"""Bytes of checksum stored with each block (digests shorter than this are zero-padded)."""
+
+
+class _Hasher(Protocol):
+    def update(self, data: Any, /) -> None: ...
+    def digest(self) -> bytes: ...
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: Any, /) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def digest(self) -> bytes:
+        return self._crc.to_bytes(4, "little")
+
+
+ALGORITHMS: dict[str, Callable[[], _Hasher]] = {
+    "crc32": _Crc32,
+    "blake2b": lambda: hashlib.blake2b(digest_size=TRAILER_BYTES),
+}
+
+
+class ChecksumConfig(BackendConfig):
+    backend: str = "checksum"
+    inner: NestedConfig = Field(description="the backend that stores the blocks and checksums")
+    algorithm: Literal["crc32", "blake2b"] = Field(
+        "crc32", description="crc32: fast, catches accidental damage; blake2b: cryptographic"
+    )
+
+
+class ChecksumConnector(Connector):
+    """Wraps ``inner``; everything but the checksum is the inner backend's behaviour."""
+
+    config_model = ChecksumConfig
+    config: ChecksumConfig
+    max_workers = 8
+    """Transfers mostly wait on the inner backend."""
+
+    def __init__(self, config: ChecksumConfig, inner: Connector | None = None) -> None:
+        """Build the inner backend from ``config.inner``, or adopt ``inner`` (unregistered)."""
+        super().__init__(config)
+        self.inner = inner if inner is not None else create_connector(config.inner)
+        limit = self.inner.capabilities.max_block_nbytes
+        self.capabilities = replace(
+            self.inner.capabilities,
+            max_block_nbytes=None if limit is None else limit - TRAILER_BYTES,
+        )
+        self._trailers: torch.Tensor | None = None
+        self._layers: list[tuple[torch.Tensor, int]] = []
+
+    @classmethod
+    def wrap(cls, inner: Connector, algorithm: str = "crc32") -> ChecksumConnector:
+        """``inner`` (a live, unregistered connector) behind checksums."""
+        data = {"backend": "checksum", "inner": inner.config, "algorithm": algorithm}
+        _, _, config = parse_config(data)
+        assert isinstance(config, ChecksumConfig)
+        return cls(config, inner)
+
+    @property
+    def trailer_layer(self) -> str:
+        return f"kvmux.checksum.{self.config.algorithm}"
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        name = self.trailer_layer
+        if name in caches:
+            raise LayoutError(f"a KV layer is already called {name!r}")
+        trailers = torch.zeros(
+            (layout.num_blocks, TRAILER_BYTES), dtype=torch.uint8, device=layout.device
+        )
+        spec = LayerSpec(name=name, shape=tuple(trailers.shape), dtype="uint8", block_dim=0)
+        extended = KVLayout(
+            layers=(*layout.layers, spec), block_size=layout.block_size, device=layout.device
+        )
+        self.inner.register(extended, {**caches, name: trailers})
+        self._trailers = trailers
+        self._layers = [(caches[s.name].view(torch.uint8), s.block_dim) for s in layout.layers]
+
+    def _digests(self, block_ids: list[int]) -> torch.Tensor:
+        """``[len(block_ids), TRAILER_BYTES]``: each block's checksum, zero-padded."""
+        out = torch.zeros((len(block_ids), TRAILER_BYTES), dtype=torch.uint8)
+        for row, block in enumerate(block_ids):
+            hasher = ALGORITHMS[self.config.algorithm]()
+            for u8, block_dim in self._layers:
+                part = u8.select(block_dim, block).cpu().contiguous()
+                hasher.update(part.numpy())
+            digest = hasher.digest()
+            out[row, : len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        return out
+
+    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+        return self.inner.lookup(keys, source)
+
+    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+        trailers = self._trailers
+        assert trailers is not None
+
+        def work() -> tuple[list[Outcome], int]:
+            index = torch.tensor(block_ids, dtype=torch.long, device=trailers.device)
+            trailers[index] = self._digests(block_ids).to(trailers.device)
+            result = self._await(self.inner.save(keys, block_ids))
+            return list(result.outcomes), result.nbytes
+
+        return self._run(keys, work)
+
+    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        trailers = self._trailers
+        assert trailers is not None
+
+        def work() -> tuple[list[Outcome], int]:
+            result = self._await(self.inner.load(keys, block_ids, source))
+            outcomes = list(result.outcomes)
+            arrived = [j for j, o in enumerate(outcomes) if o.status is Status.OK]
+            if not arrived:
+                return outcomes, result.nbytes
+            blocks = [block_ids[j] for j in arrived]
+            index = torch.tensor(blocks, dtype=torch.long, device=trailers.device)
+            stored, actual = trailers[index].cpu(), self._digests(blocks)
+            bad = (stored != actual).any(dim=1).tolist()
+            for j, mismatch in zip(arrived, bad, strict=True):
+                if mismatch:
+                    outcomes[j] = failed(
+                        f"checksum mismatch ({self.config.algorithm}): the block arrived damaged"
+                    )
+            self._stats.add("checksum_verified", len(arrived) - sum(bad))
+            self._stats.add("checksum_mismatches", sum(bad))
+            return outcomes, result.nbytes
+
+        return self._run(keys, work)
+
+    def _await(self, handle: Handle) -> TransferResult:
+        """The inner result; an inner backend that overruns our deadline fails its keys."""
+        try:
+            return handle.result(timeout=self.config.timeout_s)
+        except TimeoutError:
+            reason = f"inner backend did not finish within {self.config.timeout_s:g} s"
+            return TransferResult(handle.keys, (failed(reason),) * len(handle.keys))
+
+    def _release(self, keys: list[BlockKey]) -> None:
+        self.inner.release(keys)
+
+    def address(self) -> dict[str, Any] | None:
+        return self.inner.address()
+
+    def health(self) -> Health:
+        return super().health() if self._closed else self.inner.health()
+
+    def stats(self) -> dict[str, float]:
+        return {**self.inner.stats(), **super().stats()}
+
+    def _close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,75 @@
+"""What a proxy is pointed at, validated before any socket is opened.
+
+A typo in an upstream URL should fail at start-up with the flag named, not as
+a 502 on the first client request, so the URLs are checked here (http or https,
+a host, nothing after the path) and normalised (no trailing ``/``) so that the
+request paths can be appended as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from kvmux.errors import KvmuxError
+
+
+def _http_url(url: str) -> str:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8100")
+    if not parts.hostname:
+        raise ValueError("has no host")
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:
+        raise ValueError(f"has a bad port ({exc})") from None
+    if parts.query or parts.fragment:
+        raise ValueError("must not have a query or fragment")
+    return url.strip().rstrip("/")
+
+
+UpstreamUrl = Annotated[str, AfterValidator(_http_url)]
+
+
+class ProxyConfig(BaseModel):
+    """Upstreams and limits of one ``kvmux proxy``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill: list[UpstreamUrl] = Field(
+        min_length=1, description="base URLs of the prefill vLLM servers (round-robin)"
+    )
+    decode: list[UpstreamUrl] = Field(
+        min_length=1, description="base URLs of the decode vLLM servers (round-robin)"
+    )
+    host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0 picks a free one")
+    timeout_s: float = Field(
+        600.0, gt=0, description="deadline for one client request, prefill and decode together"
+    )
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="how long GET /health waits for each upstream's /health"
+    )
+    max_body_bytes: int = Field(
+        64 * 2**20, gt=0, description="largest client request body (long prompts are big)"
+    )
+
+
+class ProxyConfigError(KvmuxError, ValueError):
+    """Proxy settings that do not validate; the message names the command-line flag."""
+
+
+def config_from_flags(**flags: object) -> ProxyConfig:
+    """A :class:`ProxyConfig` from command-line values, errors phrased as ``--flag``."""
+    try:
+        return ProxyConfig.model_validate(flags)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = [str(part) for part in err["loc"]]
+            flag = "--" + loc[0].replace("_", "-") if loc else "<flags>"
+            lines.append(f"  {flag} {err['input']!r}: {err['msg']}")
+        raise ProxyConfigError("invalid kvmux proxy settings:\n" + "\n".join(lines)) from None

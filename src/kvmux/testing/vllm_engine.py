@@ -1,0 +1,313 @@
+"""A real vLLM engine in a child process, driven with JSON lines: for tests and benchmarks.
+
+vLLM keeps one KV connector per process (a module global), so a prefill and
+a decode instance, or two engines with different connectors, need separate
+processes. ``EngineProcess`` starts ``python -m kvmux.testing.vllm_engine``
+with an :class:`EngineSpec`, then sends it commands (``generate``,
+``reset_prefix_cache``, ``stats``, ``corrupt_loads``) and reads one JSON reply
+per command. Replies are marked lines on stdout, so vLLM's own logging there
+does no harm. ``kill()`` is a SIGKILL by PID: the peer-dies-mid-transfer
+tests use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REPLY = "KVMUX-ENGINE "
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""What vLLM needs on a CPU-only box (shared/NOTES.md): loopback, no downloads, one process."""
+
+
+class EngineSpec(BaseModel):
+    """How to build the engine: the arguments of ``vllm.LLM`` that tests vary."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_transfer_config: dict[str, Any] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """The engine process failed to start, died, or answered a command with an error."""
+
+
+class EngineProcess:
+    """One engine in a child process. Use as a context manager; ``stop`` is idempotent."""
+
+    def __init__(
+        self, spec: EngineSpec, *, wait: bool = True, start_timeout_s: float = 300.0
+    ) -> None:
+        self.spec = spec
+        env = {**os.environ, **ENGINE_ENV, **spec.env}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmux.testing.vllm_engine", spec.model_dump_json()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self.pid = self._proc.pid
+        self._log: list[str] = []
+        self._replies: list[dict[str, Any]] = []
+        self._cv = threading.Condition()
+        assert self._proc.stdout is not None
+        self._reader = threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True)
+        self._reader.start()
+        self._start_timeout_s = start_timeout_s
+        self._ready: dict[str, Any] | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until the engine is up; start several, then wait for each, to overlap starts."""
+        if self._ready is None:
+            self._ready = self._reply(self._start_timeout_s)
+        return self._ready
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._cv:
+                if line.startswith(REPLY):
+                    self._replies.append(json.loads(line[len(REPLY) :]))
+                else:
+                    self._log.append(line)
+                    del self._log[:-400]
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while not self._replies:
+                left = deadline - time.monotonic()
+                if self._proc.poll() is not None and not self._replies:
+                    raise EngineError(
+                        f"engine exited ({self._proc.returncode}):\n{self.log_tail()}"
+                    )
+                if left <= 0:
+                    raise EngineError(f"engine did not answer in {timeout_s} s:\n{self.log_tail()}")
+                self._cv.wait(min(left, 0.5))
+            reply = self._replies.pop(0)
+        if "error" in reply:
+            raise EngineError(reply["error"])
+        return reply
+
+    def log_tail(self, lines: int = 60) -> str:
+        with self._cv:
+            return "".join(self._log[-lines:])
+
+    def call(self, op: str, timeout_s: float = 300.0, **args: Any) -> dict[str, Any]:
+        self.wait_ready()
+        if self._proc.poll() is not None:
+            raise EngineError(f"engine is not running:\n{self.log_tail()}")
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self._proc.stdin.flush()
+        return self._reply(timeout_s)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Greedy generation; one dict per prompt: ``token_ids``, ``kv_transfer_params``,
+        ``finish_reason``."""
+        reply = self.call(
+            "generate",
+            prompts=[list(p) for p in prompts],
+            max_tokens=max_tokens,
+            kv_transfer_params=list(kv_transfer_params) if kv_transfer_params else None,
+        )
+        outputs: list[dict[str, Any]] = reply["outputs"]
+        return outputs
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies mid-whatever, as a crashed peer would."""
+        if self._proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self._proc.wait(30)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(EngineError):
+                self.call("quit", timeout_s=30)
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._reader.join(5)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------ the child process
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child process
+    """A test runner killed mid-test must not leave an engine spinning on 2 cores (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _serve(spec: EngineSpec) -> None:  # pragma: no cover - runs in the child process
+    _die_with_parent()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {}
+    if spec.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    if spec.block_size is not None:
+        kwargs["block_size"] = spec.block_size
+    llm = LLM(
+        model=spec.model,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        enforce_eager=True,
+        seed=spec.seed,
+        kv_transfer_config=spec.kv_transfer_config,
+        **kwargs,
+    )
+    _say({"ready": True, "pid": os.getpid(), "address": _worker_address()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "quit":
+            _say({"bye": True})
+            return
+        try:
+            _say(_handle(llm, op, cmd, SamplingParams, TokensPrompt))
+        except Exception as exc:
+            _say({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _handle(llm: Any, op: str, cmd: dict[str, Any], sampling: Any, tokens: Any) -> dict[str, Any]:
+    if op == "generate":
+        prompts = cmd["prompts"]
+        params = cmd.get("kv_transfer_params") or [None] * len(prompts)
+        sps = [
+            sampling(
+                max_tokens=cmd["max_tokens"],
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": p} if p is not None else None,
+            )
+            for p in params
+        ]
+        start = time.perf_counter()
+        outs = llm.generate([tokens(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return {
+            "seconds": seconds,
+            "outputs": [
+                {
+                    "token_ids": list(o.outputs[0].token_ids),
+                    "finish_reason": o.outputs[0].finish_reason,
+                    "kv_transfer_params": o.kv_transfer_params,
+                }
+                for o in outs
+            ],
+        }
+    if op == "reset_prefix_cache":
+        return {"ok": bool(llm.reset_prefix_cache())}
+    if op == "stats":
+        worker = _worker()
+        return {"stats": worker.stats() if worker is not None else {}}
+    if op == "corrupt_loads":
+        from kvmux.testing.faults import CorruptBytes
+
+        worker = _worker()
+        assert worker is not None, "no kvmux connector in this engine"
+        nbytes = cmd.get("nbytes", 256)
+        _replace(
+            worker,
+            ["connector", *cmd.get("path", [])],
+            lambda c: CorruptBytes(c, rate=1.0, nbytes=nbytes),
+        )
+        return {"ok": True}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _replace(root: Any, path: list[str | int], make: Any) -> None:
+    """Swap the object at ``path`` (attribute names and list indices) for ``make(it)``:
+    ``["connector", "children", 0, "connector", "inner"]`` reaches below a multi's
+    first child's checksum, where a damaged transport would sit."""
+    parent = root
+    for step in path[:-1]:
+        parent = parent[step] if isinstance(step, int) else getattr(parent, step)
+    last = path[-1]
+    if isinstance(last, int):
+        parent[last] = make(parent[last])
+    else:
+        setattr(parent, last, make(getattr(parent, last)))
+
+
+def _worker() -> Any:
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return None
+    return getattr(get_kv_transfer_group(), "worker_side", None)
+
+
+def _worker_address() -> dict[str, Any] | None:
+    worker = _worker()
+    return worker.address() if worker is not None else None
+
+
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _serve(EngineSpec.model_validate_json(sys.argv[1]))
+    # vLLM's atexit handlers can outlive a closed stdin; leave promptly.
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,115 @@
+"""Real vLLM engines (CPU) with kvmux: greedy tokens must equal a single instance's.
+
+Each engine runs in its own process (``kvmux.testing.vllm_engine``): vLLM
+keeps one KV connector per process. Prompts and the reference: ``vllm_e2e_support``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvmux.testing.vllm_engine import EngineProcess
+from vllm_e2e_support import (
+    FULL_BLOCKS,
+    LOADED_BLOCKS,
+    MAX_TOKENS,
+    PROMPTS,
+    prefill,
+    spec,
+    tokens,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: str) -> str:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_reference: list[list[int]]) -> list[list[int]]:
+    return vllm_reference
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def pd_pair(request: Any, model: str) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
+    backend = {"backend": request.param}
+    producer = EngineProcess(spec(model, backend, "kv_producer"), wait=False)
+    consumer = EngineProcess(spec(model, backend, "kv_consumer"), wait=False)
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        yield request.param, producer, consumer
+    finally:
+        producer.stop()
+        consumer.stop()
+
+
+def test_pd_decode_gives_the_tokens_of_a_single_instance(pd_pair, reference):
+    _, producer, consumer = pd_pair
+    decoded = consumer.generate(PROMPTS, MAX_TOKENS, prefill(producer))
+    assert tokens(decoded) == reference
+    stats = consumer.call("stats")["stats"]
+    assert stats["load_blocks_ok"] == LOADED_BLOCKS  # the whole prompt, partial blocks too
+    assert stats.get("load_blocks_failed", 0) == stats.get("load_blocks_missing", 0) == 0
+
+
+def test_pd_comparison_fails_when_the_moved_kv_is_tampered_with(pd_pair, reference):
+    """The control: if identity held whatever KV arrived, the tests above would prove nothing."""
+    _, producer, consumer = pd_pair
+    params = prefill(producer)
+    assert consumer.call("reset_prefix_cache")["ok"]
+    consumer.call("corrupt_loads")
+    decoded = consumer.generate(PROMPTS, MAX_TOKENS, params)
+    assert tokens(decoded) != reference
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_saved_prefix_reloaded_gives_the_tokens_of_a_single_instance(model, reference, backend):
+    with EngineProcess(spec(model, {"backend": backend})) as engine:
+        assert tokens(engine.generate(PROMPTS, MAX_TOKENS)) == reference
+        assert engine.call("reset_prefix_cache")["ok"]  # vLLM forgets; kvmux must remember
+        assert tokens(engine.generate(PROMPTS, MAX_TOKENS)) == reference
+        stats = engine.call("stats")["stats"]
+    assert stats["load_blocks_ok"] == FULL_BLOCKS
+
+
+def test_disk_blocks_survive_an_engine_restart(model, reference, tmp_path: Path):
+    backend = {"backend": "disk", "path": str(tmp_path / "kv")}
+    with EngineProcess(spec(model, backend)) as first:
+        assert tokens(first.generate(PROMPTS, MAX_TOKENS)) == reference
+    with EngineProcess(spec(model, backend)) as second:
+        assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == reference
+        stats = second.call("stats")["stats"]
+    assert stats["load_blocks_ok"] == FULL_BLOCKS
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_producer_killed_before_the_pull(model, reference, policy):
+    """The decode finds a dead peer: recompute gives the same tokens, fail ends the requests
+    with an error; neither hangs past the backend's timeout."""
+    backend = {"backend": "tcp", "timeout_s": 5}
+    producer = EngineProcess(spec(model, backend, "kv_producer"), wait=False)
+    consumer = EngineProcess(spec(model, backend, "kv_consumer", policy=policy), wait=False)
+    try:
+        params = prefill(producer)
+        producer.kill()
+        started = time.monotonic()
+        decoded = consumer.generate(PROMPTS, MAX_TOKENS, params)
+        assert time.monotonic() - started < 60
+        if policy == "recompute":
+            assert tokens(decoded) == reference
+        else:
+            assert {o["finish_reason"] for o in decoded} == {"error"}
+        assert consumer.call("stats")["stats"]["load_blocks_failed"] == LOADED_BLOCKS
+    finally:
+        producer.stop()
+        consumer.stop()

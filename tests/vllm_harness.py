@@ -1,0 +1,250 @@
+"""vLLM's real Scheduler and kvmux's adapter, with a fake model runner (no forward pass).
+
+The style of vLLM's ``tests/v1/kv_connector/unit``: every scheduling and
+connector decision is vLLM's and kvmux's own; only the model is replaced by a
+function that writes, for each computed token, KV values determined by the
+token id and its position. Loaded KV can therefore be checked exactly, and
+a block that was never computed or loaded holds zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.plugins import load_general_plugins
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvmux.adapters.vllm.connector import KvmuxConnector
+
+BLOCK = 16
+HEADS, WIDTH = 2, 4
+EOS = 1
+_ids = itertools.count()
+
+
+def kv_value(token: int, position: int) -> float:
+    """What the fake model writes for a token at a position (exact in float32)."""
+    return float(token * 4096 + position)
+
+
+def next_token(token: int, position: int) -> int:
+    return 3 + (token * 31 + position * 7) % 200
+
+
+class FakeEngine:
+    """One engine: a real Scheduler and a worker-role KvmuxConnector on small CPU tensors."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        extra_config: dict[str, Any],
+        *,
+        role: str = "kv_both",
+        policy: str = "recompute",
+        num_blocks: int = 64,
+        max_batched: int = 64,
+        layers: int = 2,
+    ) -> None:
+        load_general_plugins()  # what every vLLM process does: kvmux's entry point registers it
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=1024),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=max_batched,
+                max_model_len=1024,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+                async_scheduling=False,  # the fake model samples in the step it computes
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="kvmux",
+                kv_role=role,
+                kv_connector_extra_config=extra_config,
+                kv_load_failure_policy=policy,
+            ),
+        )
+        names = [f"layer{i}" for i in range(layers)]
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    names,
+                    FullAttentionSpec(
+                        block_size=BLOCK, num_kv_heads=HEADS, head_size=WIDTH, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        # vLLM's CPU layout: (blocks, kv heads, block size, 2 * head size), blocks first.
+        self.caches = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * WIDTH) for n in names}
+        self.worker = KvmuxConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BLOCK, sha256)
+        self.num_blocks = num_blocks
+        self.outputs: dict[str, list[Any]] = {}
+        self.kv_errors: list[str] = []
+        self.preempted: set[str] = set()
+        self.free_at_start = self.free_blocks()
+
+    # ------------------------------------------------------------ requests
+
+    def add(
+        self, prompt: list[int], max_tokens: int = 4, params: dict[str, Any] | None = None
+    ) -> str:
+        req_id = f"r{next(_ids)}"
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        sp.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        self.scheduler.add_request(request)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    def status(self, req_id: str) -> RequestStatus | None:
+        request = self.scheduler.requests.get(req_id)
+        return request.status if request is not None else None
+
+    # --------------------------------------------------------------- steps
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        self.preempted |= set(out.preempted_req_ids or ())
+        meta = out.kv_connector_metadata
+        self.worker.bind_connector_metadata(meta)
+        self.worker.handle_preemptions(meta)
+        sampled: list[list[int]] = []
+        req_ids = list(out.num_scheduled_tokens)
+        for req_id in req_ids:
+            sampled.append(self._compute(req_id, out.num_scheduled_tokens[req_id]))
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        kv_out = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=self.worker.get_kv_connector_stats(),
+        )
+        self.worker.clear_connector_metadata()
+        runner_out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+        engine_outs = self.scheduler.update_from_output(out, runner_out)
+        for outs in engine_outs.values():
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+        return out
+
+    def _compute(self, req_id: str, count: int) -> list[int]:
+        request = self.scheduler.requests[req_id]
+        tokens = request.all_token_ids
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        start = request.num_computed_tokens - count  # schedule() already advanced it
+        self._check_kv(req_id, tokens, block_ids, start)
+        for pos in range(start, start + count):
+            block, offset = block_ids[pos // BLOCK], pos % BLOCK
+            for cache in self.caches.values():
+                cache[block, :, offset, :] = kv_value(tokens[pos], pos)
+        end = start + count
+        if end < request.num_tokens:
+            return []  # a chunk of a longer prefill samples nothing
+        return [next_token(tokens[end - 1], end - 1)]
+
+    def _check_kv(self, req_id: str, tokens: Any, block_ids: list[int], upto: int) -> None:
+        """The fake model *reads* its KV: every position before ``upto`` must hold what
+        computing that token there writes, whether computed here or loaded by kvmux."""
+        for index in range(-(-upto // BLOCK)):
+            n = min(BLOCK, upto - index * BLOCK)
+            want = expected_block(list(tokens), index)[:n]
+            for name, cache in self.caches.items():
+                got = cache[block_ids[index], 0, :n, 0]
+                if not torch.equal(got, want):
+                    self.kv_errors.append(f"{req_id} block {index} ({name}) holds wrong KV")
+                    return
+
+    def run(self, timeout_s: float = 20.0, until: Iterable[str] | None = None) -> None:
+        """Step until every request is done and every delayed block is freed (or ``until``'s
+        requests finished); idle steps sleep a little, as an engine polling transfers would."""
+        wanted = set(until or ())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if wanted:
+                if all(self.finished(r) for r in wanted):
+                    return
+            elif not self.scheduler.has_requests():
+                return
+            if not self.step().num_scheduled_tokens:
+                time.sleep(0.002)
+        raise AssertionError(f"engine still busy after {timeout_s} s")
+
+    def finished(self, req_id: str) -> bool:
+        return any(o.finished for o in self.outputs.get(req_id, []))
+
+    def result(self, req_id: str) -> Any:
+        return next(o for o in self.outputs[req_id] if o.finished)
+
+    def tokens(self, req_id: str) -> list[int]:
+        return [t for o in self.outputs.get(req_id, []) for t in o.new_token_ids]
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def block_values(self, block_id: int, layer: str = "layer0") -> torch.Tensor:
+        return self.caches[layer][block_id, 0, :, 0]
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def expected_block(tokens: list[int], index: int) -> torch.Tensor:
+    """The KV a block must hold once computed (or loaded) for ``tokens``."""
+    chunk = tokens[index * BLOCK : (index + 1) * BLOCK]
+    return torch.tensor([kv_value(t, index * BLOCK + i) for i, t in enumerate(chunk)])
