@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml
 	# PyPI's torchvision & co. are CUDA builds that break transformers' imports on
 	# a CPU torch; vLLM does not need them on the CPU, nor triton (shared/NOTES.md).
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
+	# kvmux[nixl] by hand: nixl's meta package has no cp311 wheel today, and its
+	# parts declare an unpinned torch (shared/NOTES.md). cu13 too, or NIXL fails
+	# to import once anything installs cuda.bindings.
+	$(PIP) install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
 	touch $@
 
 demo: $(STAMP)

@@ -39,7 +39,20 @@ def reference(vllm_reference: list[list[int]]) -> list[list[int]]:
     return vllm_reference
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "shm",
+        "tcp",
+        pytest.param("nixl", marks=pytest.mark.skipif(not _has("nixl"), reason="no nixl")),
+    ],
+)
 def pd_pair(request: Any, model: str) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
     backend = {"backend": request.param}
     producer = EngineProcess(spec(model, backend, "kv_producer"), wait=False)

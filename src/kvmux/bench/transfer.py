@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -34,6 +35,8 @@ class BenchRecord(BaseModel):
     baseline: str
     baseline_gbps: float
     ratio: float | None
+    baseline_load_gbps: float | None = None
+    """The baseline's load part alone, where it has one (raw NIXL: its READ)."""
     lookup_ms_10k: float | None = None
     """One lookup of 10,000 present keys (measured once per backend)."""
     error: str | None = None
@@ -48,17 +51,57 @@ SOCKET_BACKENDS = {"tcp", "pipes:tcp"}
 well as next to memcpy."""
 
 
+NIXL_BACKENDS = {"nixl"}
+"""Backends measured next to raw NIXL (:mod:`kvmux.bench.nixl_baseline`) as well."""
+
+
+def baselines_for(name: str) -> list[str]:
+    extra = ["socket"] if name in SOCKET_BACKENDS else ["nixl"] if name in NIXL_BACKENDS else []
+    return ["memcpy", *extra]
+
+
 def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord]:
     """Median save+load time of ``shape``'s blocks through ``name``, one record per
     baseline. Each baseline runs on the same byte count in every round, right
     before the backend, so all of them see the same machine."""
-    baselines = ["memcpy", "socket"] if name in SOCKET_BACKENDS else ["memcpy"]
+    baselines = baselines_for(name)
     base_times: dict[str, list[float]] = {b: [] for b in baselines}
+    load_times: list[float] = []
 
-    def measure_baselines() -> None:
-        for b in baselines:
-            base_times[b].append(BASELINES[b](shape.nbytes))
+    with ExitStack() as stack:
+        measures: dict[str, Callable[[], float]] = {
+            b: functools.partial(BASELINES[b], shape.nbytes) for b in baselines if b in BASELINES
+        }
+        if "nixl" in baselines:
+            from kvmux.bench.nixl_baseline import RawNixlRead
 
+            raw = stack.enter_context(RawNixlRead(shape))
+
+            def raw_nixl() -> float:
+                save_s, load_s = raw.save_load_seconds()
+                load_times.append(load_s)
+                return save_s + load_s
+
+            measures["nixl"] = raw_nixl
+
+        def measure_baselines() -> None:
+            for b in baselines:
+                base_times[b].append(measures[b]())
+
+        return _bench_records(
+            name, shape, repeats, baselines, base_times, load_times, measure_baselines
+        )
+
+
+def _bench_records(
+    name: str,
+    shape: Shape,
+    repeats: int,
+    baselines: list[str],
+    base_times: dict[str, list[float]],
+    load_times: list[float],
+    measure_baselines: Callable[[], None],
+) -> list[BenchRecord]:
     common: dict[str, Any] = dict(
         backend=name, shape=shape.name, blocks=shape.blocks, block_nbytes=shape.block_nbytes
     )
@@ -82,11 +125,15 @@ def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord
     records = []
     for b in baselines:
         base_gbps = shape.nbytes / statistics.median(base_times[b]) / 1e9
+        base_load = None
+        if b == "nixl" and load_times:
+            base_load = round(shape.nbytes / statistics.median(load_times) / 1e9, 3)
         records.append(
             BenchRecord(
                 **common,
                 baseline=b,
                 baseline_gbps=round(base_gbps, 3),
+                baseline_load_gbps=base_load,
                 gbps=round(gbps, 3),
                 save_gbps=round(shape.nbytes / save_s / 1e9, 3),
                 load_gbps=round(shape.nbytes / load_s / 1e9, 3),

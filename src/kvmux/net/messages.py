@@ -12,6 +12,10 @@ Conversation of the pool connectors (``tcp``, ``shm``)::
     client → lookup       server → lookup_reply
     client → fetch        server → fetch_reply, then blocks frames (tcp)
     client → locate       server → locate_reply; client copies; client → unpin (shm)
+    client → locate       server → nixl_locate_reply; client READs over NIXL;
+                          a NIXL notification (or, on failure, unpin) ends the pin (nixl)
+    client → locate       server → mooncake_locate_reply; client READs over the
+                          Mooncake Transfer Engine; client → unpin (mooncake)
 
 Conversation of a :class:`~kvmux.pipes.tcp.TcpPipe`: one ``pipe_hello`` each
 way, then ``tensor`` / ``no_tensor`` frames in both directions.
@@ -55,7 +59,7 @@ Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Fingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,128}$")]
 SegmentName = Annotated[str, StringConstraints(pattern=r"^kvmux-[0-9]+-[0-9a-f]{16}$")]
 """A shared-memory segment name; the pattern keeps a peer from naming any other file."""
-Service = Literal["tcp", "shm"]
+Service = Literal["tcp", "shm", "nixl", "mooncake"]
 Count = Annotated[int, Field(ge=0)]
 FrameLimit = Annotated[int, Field(ge=1)]
 
@@ -209,6 +213,61 @@ class LocateReply(Message):
         return self
 
 
+AgentName = Annotated[str, StringConstraints(pattern=r"^kvmux-[0-9]+-[0-9a-f]{16}$")]
+"""A NIXL agent's name as kvmux creates them (pid and a random token)."""
+AgentMetadata = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9+/]*={0,2}$", max_length=2**20)
+]
+"""A NIXL agent's metadata blob, base64: opaque bytes NIXL itself parses."""
+
+
+class NixlLocateReply(Message):
+    """Where the pinned blocks are in the producer's NIXL-registered pool: row
+    ``rows[i]`` (None: missing) of ``slots`` rows of ``block_nbytes`` at address
+    ``base``. ``metadata`` (base64, for ``add_remote_agent``) comes with the first
+    reply on a connection; later replies send only the agent's name. The pin
+    lasts ``lease_s`` or until the consumer's notification (or ``unpin``)."""
+
+    kind: Literal["nixl_locate_reply"] = "nixl_locate_reply"
+    lease: Count
+    lease_s: Annotated[float, Field(gt=0)]
+    agent: AgentName
+    metadata: AgentMetadata | None
+    base: Count
+    slots: Count
+    block_nbytes: Count
+    rows: Annotated[list[Count | None], Field(max_length=MAX_KEYS_PER_REQUEST)]
+
+    @model_validator(mode="after")
+    def _rows_in_pool(self) -> NixlLocateReply:
+        if any(row is not None and row >= self.slots for row in self.rows):
+            raise ValueError(f"a row is outside the pool of {self.slots} slots")
+        return self
+
+
+class MooncakeLocateReply(Message):
+    """Where the pinned blocks are in the producer's Transfer-Engine-registered pool:
+    row ``rows[i]`` (None: missing) of ``slots`` rows of ``block_nbytes`` at address
+    ``base``, readable through the engine whose RPC port is ``te_port`` on the host
+    the client already reached (never a host the server names: a server cannot
+    point a client at a third machine). The pin lasts ``lease_s`` or until ``unpin``."""
+
+    kind: Literal["mooncake_locate_reply"] = "mooncake_locate_reply"
+    lease: Count
+    lease_s: Annotated[float, Field(gt=0)]
+    te_port: Annotated[int, Field(ge=1, le=65535)]
+    base: Count
+    slots: Count
+    block_nbytes: Count
+    rows: Annotated[list[Count | None], Field(max_length=MAX_KEYS_PER_REQUEST)]
+
+    @model_validator(mode="after")
+    def _rows_in_pool(self) -> MooncakeLocateReply:
+        if any(row is not None and row >= self.slots for row in self.rows):
+            raise ValueError(f"a row is outside the pool of {self.slots} slots")
+        return self
+
+
 class Unpin(Message):
     """The client is done copying; no reply."""
 
@@ -272,6 +331,8 @@ PeerMessage = Annotated[
     | Blocks
     | LocateRequest
     | LocateReply
+    | NixlLocateReply
+    | MooncakeLocateReply
     | Unpin,
     Field(discriminator="kind"),
 ]

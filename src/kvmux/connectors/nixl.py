@@ -1,0 +1,320 @@
+"""``nixl``: the producer's pool is registered with NIXL; a consumer READs it straight
+into its own KV memory.
+
+The served pool of ``tcp``/``shm`` (:mod:`kvmux.net.served_pool`) with NIXL as the
+data path. ``save`` copies blocks into the pool (so the engine may reuse its
+blocks once the handle ends); the pool is one tensor registered with this
+instance's NIXL agent. A consumer registers its KV tensors with its own agent
+(DRAM, or VRAM for CUDA tensors), asks the producer over kvmux's validated TCP
+control channel to *locate* a batch of keys (which pins their slots under a
+lease and answers with the pool's address, the rows and the agent's metadata),
+then issues **one** NIXL READ covering every block and layer straight into its
+KV memory: zero copies of its own. The READ carries a notification that ends
+the lease on the producer; a failed READ ends it with an ``unpin`` message, a
+vanished consumer with its connection, a stuck one with ``lease_s``.
+
+Never wrong bytes and never a hang: the consumer waits at most ``timeout_s``
+(and never past the lease, counted from before it asked), then cancels the
+READ and fails the keys; a layout mismatch is refused at the handshake, as for
+``tcp``. Progress is made on demand (:mod:`kvmux.net.nixl_agent`), so an idle
+instance burns no core.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import re
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kvmux.capabilities import Capabilities
+from kvmux.errors import LayoutError, TransferError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
+from kvmux.net.client import Link
+from kvmux.net.messages import LocateRequest, Message, NixlLocateReply, Unpin, expect
+from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
+from kvmux.net.served_pool import PeerAddress, ServedPoolConfig, ServedPoolConnector
+from kvmux.net.server import Handler, Session
+
+_UNPIN = re.compile(rb"^kvmux-unpin:([0-9]{1,19})$")
+"""The notification a consumer's READ delivers to end its lease."""
+
+
+class NixlConfig(ServedPoolConfig):
+    backend: str = "nixl"
+    backends: list[str] = Field(
+        default_factory=lambda: ["UCX"], min_length=1, description="NIXL plugins to create"
+    )
+    ucx_options: dict[str, str] = Field(
+        default_factory=dict,
+        description="init parameters of the UCX backend (e.g. ucx_error_handling_mode); "
+        "UCX_* environment variables (UCX_TLS...) apply too",
+    )
+    lease_s: float = Field(
+        30.0, gt=0, description="longest a consumer's pin holds slots without being ended"
+    )
+    pump_interval_s: float = Field(
+        0.001,
+        gt=0,
+        le=0.1,
+        description="how often the agent is progressed while peers hold pins "
+        "(NIXL's own progress thread spins a core; it stays off)",
+    )
+
+
+class NixlConnector(ServedPoolConnector):
+    """Pool registered with NIXL + control server + zero-copy READ puller."""
+
+    config_model = NixlConfig
+    config: NixlConfig
+    service = "nixl"
+    capabilities = Capabilities(
+        p2p=True, zero_copy=True, capacity_bound=True, memory_kinds=frozenset({"cpu", "cuda"})
+    )
+
+    def __init__(self, config: NixlConfig) -> None:
+        self._pool_base = 0
+        self._pieces: list[tuple[int, int, int, int]] = []
+        """Per piece of a serialized block: (address of piece 0, stride, length, device)."""
+        self._local_mem = "DRAM"
+        self._leases: dict[int, tuple[int, float, Session]] = {}
+        """token -> (slot lease, expiry, session): the pins peers hold, by the random
+        token they were given (so no peer can end another's pin by guessing)."""
+        self._peers: dict[tuple[str, int], str] = {}
+        self._peers_lock = threading.Lock()
+        # The agent exists before the server answers its first request.
+        self._agent = NixlAgent(
+            config.backends,
+            {"UCX": config.ucx_options},
+            pump_interval_s=config.pump_interval_s,
+            on_notif=self._on_notif,
+            on_tick=self._reap_leases,
+        )
+        try:
+            super().__init__(config)
+        except BaseException:
+            self._agent.close()
+            raise
+        self._metadata = ""
+        """The agent's metadata, base64; taken once all memory is registered (NIXL
+        puts the registrations in it)."""
+
+    # ------------------------------------------------------------------ memory
+
+    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
+        self._agent.register([pool])
+        self._pool_base = pool.data_ptr()
+        return pool
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        tensors = [caches[spec.name] for spec in layout.layers]
+        if not all(t.is_contiguous() for t in tensors):
+            raise LayoutError("nixl needs contiguous KV tensors (it reads into them directly)")
+        super()._register(layout, caches)
+        self._agent.register(tensors)
+        self._local_mem = mem_type(tensors[0].device)
+        self._metadata = base64.b64encode(self._agent.metadata()).decode("ascii")
+        pieces = []
+        for spec, tensor in zip(layout.layers, tensors, strict=True):
+            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
+            seg = spec.block_nbytes // outer
+            device = max(tensor.get_device(), 0)
+            for j in range(outer):
+                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg, device))
+        self._pieces = pieces
+
+    def _descs(self, blocks: list[int], rows: list[int], base: int) -> tuple[Descs, Descs]:
+        """Local and remote descriptor lists of one READ: every piece of every block,
+        runs contiguous on both sides merged into one descriptor."""
+        b = np.asarray(blocks, dtype=np.uint64)
+        r = np.asarray(rows, dtype=np.uint64)
+        row_nbytes = np.uint64(self.copier.block_nbytes)
+        local, remote, lengths, devices = [], [], [], []
+        offset = 0
+        for start, stride, length, device in self._pieces:
+            local.append(np.uint64(start) + b * np.uint64(stride))
+            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
+            lengths.append(np.full(len(b), length, dtype=np.uint64))
+            devices.append(np.full(len(b), device, dtype=np.uint64))
+            offset += length
+        lo, re_, ln = np.concatenate(local), np.concatenate(remote), np.concatenate(lengths)
+        dev = np.concatenate(devices)
+        # A new run starts wherever either side stops being contiguous.
+        starts = np.ones(len(lo), dtype=bool)
+        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
+        first = np.flatnonzero(starts)
+        run_len = np.add.reduceat(ln, first)
+        loc = np.stack([lo[first], run_len, dev[first]], axis=1)
+        rem = np.stack([re_[first], run_len, np.zeros_like(run_len)], axis=1)
+        return loc, rem
+
+    def _handlers(self) -> dict[type[Message], Handler]:
+        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
+
+    # ---------------------------------------------------------------- producer
+
+    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
+        if self._layout_refused(session):
+            return
+        keys = list(req.block_keys())
+        with self._lock:
+            registered = self._pool is not None
+            rows = [self._slots.find(key) if registered else None for key in keys]
+            found = [row for row in rows if row is not None]
+            token = 0
+            if found:
+                expires = time.monotonic() + self.config.lease_s
+                token = secrets.randbits(62) + 1
+                self._leases[token] = (self._slots.lease(found, expires), expires, session)
+                session.leases.add(token)
+                self._agent.hold()
+            slots = self._slots.slots
+        session.send(
+            NixlLocateReply(
+                lease=token,
+                lease_s=self.config.lease_s,
+                agent=self._agent.name,
+                metadata=self._metadata or None,
+                base=self._pool_base,
+                slots=slots,
+                block_nbytes=self.copier.block_nbytes if registered else 0,
+                rows=rows,
+            )
+        )
+
+    def _end_lease(self, token: int, session: Session | None = None) -> None:
+        """Unpin ``token``'s slots (only for ``session`` if given). Caller holds the lock."""
+        entry = self._leases.get(token)
+        if entry is None or (session is not None and entry[2] is not session):
+            return
+        del self._leases[token]
+        entry[2].leases.discard(token)
+        self._slots.end_lease(entry[0])
+        self._agent.unhold()
+
+    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
+        with self._lock:
+            self._end_lease(msg.lease, session)
+
+    def _on_notif(self, agent: str, message: bytes) -> None:
+        match = _UNPIN.match(message)
+        if match is not None:
+            with self._lock:
+                self._end_lease(int(match.group(1)))
+
+    def _reap_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for token in [t for t, (_, expires, _) in self._leases.items() if expires <= now]:
+                self._end_lease(token)
+
+    def _session_closed(self, session: Session) -> None:
+        with self._lock:
+            for token in list(session.leases):
+                self._end_lease(token, session)
+
+    # ---------------------------------------------------------------- consumer
+
+    def _pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> tuple[list[Outcome], int]:
+        asked = time.monotonic()
+        link.channel.send(LocateRequest.of(keys), deadline=deadline)
+        reply = expect(link.channel.recv(deadline), NixlLocateReply)
+        if len(reply.rows) != len(keys):
+            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
+        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
+        rows = [row for row in reply.rows if row is not None]
+        if not rows:
+            return [MISSING] * len(keys), 0
+        try:
+            if reply.block_nbytes != self.copier.block_nbytes:
+                raise TransferError(
+                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
+                )
+            remote = self._remote_agent(link.endpoint, reply)
+            local, remote_descs = self._descs(blocks, rows, reply.base)
+            self._agent.read(
+                remote,
+                local,
+                self._local_mem,
+                remote_descs,
+                notif=b"kvmux-unpin:%d" % reply.lease,
+                deadline=min(deadline, asked + reply.lease_s),
+            )
+        except BaseException:
+            # The READ's notification never went: end the pin by message (a courtesy;
+            # a producer that is gone ends it with the connection).
+            with contextlib.suppress(TransferError):
+                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
+            raise
+        if time.monotonic() - asked >= reply.lease_s:
+            late = failed(f"READ outlasted the producer's {reply.lease_s} s lease; bytes unsure")
+            return [late if row is not None else MISSING for row in reply.rows], 0
+        outcomes = [OK if row is not None else MISSING for row in reply.rows]
+        return outcomes, len(rows) * self.copier.block_nbytes
+
+    def _remote_agent(self, endpoint: tuple[str, int], reply: NixlLocateReply) -> str:
+        """The producer's agent, added once per endpoint (again if it restarted). Under
+        the lock throughout, so concurrent first loads from a peer add it once."""
+        with self._peers_lock:
+            known = self._peers.get(endpoint)
+            if known == reply.agent:
+                return known
+            if reply.agent in self._peers.values():  # the same peer by another address
+                self._peers[endpoint] = reply.agent
+                return reply.agent
+            if reply.metadata is None:
+                raise TransferError(f"peer agent {reply.agent} sent no metadata")
+            try:
+                metadata = base64.b64decode(reply.metadata, validate=True)
+            except binascii.Error as exc:
+                raise TransferError(f"peer agent metadata is not base64: {exc}") from None
+            if known is not None:
+                del self._peers[endpoint]
+                if known not in self._peers.values():
+                    self._agent.remove_remote(known)
+            try:
+                name = self._agent.add_remote(metadata)
+            except Exception as exc:  # NIXL raises its own types for bad metadata
+                raise TransferError(f"NIXL refused peer agent {reply.agent}: {exc}") from None
+            if name != reply.agent:
+                self._agent.remove_remote(name)
+                raise TransferError(f"peer metadata names agent {name}, reply {reply.agent}")
+            self._peers[endpoint] = name
+            return name
+
+    def _forget_peer(self, peer: PeerAddress) -> None:
+        with self._peers_lock:
+            name = self._peers.pop(peer.endpoint, None)
+            if name is not None and name not in self._peers.values():
+                self._agent.remove_remote(name)
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        with self._lock:
+            out["nixl_leases"] = len(self._leases)
+        return out
+
+    def address(self) -> dict[str, Any]:
+        return {**super().address(), "agent": self._agent.name}
+
+    def _close(self) -> None:
+        super()._close()
+        with self._peers_lock:
+            self._peers.clear()
+        self._agent.close()
