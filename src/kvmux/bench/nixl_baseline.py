@@ -27,9 +27,10 @@ class RawNixlRead(AbstractContextManager["RawNixlRead"]):
     def __init__(self, shape: Shape) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        from kvmux.net.nixl_agent import quiet_nixl_logger
+        from kvmux.net.nixl_agent import quiet_nixl_logger, skip_ucx_ib_without_devices
 
         quiet_nixl_logger()
+        skip_ucx_ib_without_devices()
         conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._src_agent: Any = nixl_agent("kvmux-bench-src", conf)
         self._dst_agent: Any = nixl_agent("kvmux-bench-dst", conf)

@@ -9,8 +9,8 @@ prompts:
   no connector load can beat moving zero bytes;
 * **save/load** - a stored prefix reloaded after vLLM forgot it: kvmux ``cpu``
   and ``disk`` beside vLLM's in-tree ``ExampleConnector`` (safetensors files);
-* **P/D decode** - a decode instance fed by a prefill instance: kvmux ``shm``
-  and ``tcp``;
+* **P/D decode** - a decode instance fed by a prefill instance: kvmux ``shm``,
+  ``tcp`` and ``nixl`` beside vLLM's in-tree ``NixlConnector`` (host buffers);
 * **idle overhead** - decode steps that move nothing, with and without kvmux.
 
 Decode-side time is ``generate`` of the whole answer on the engine that loads;
@@ -19,6 +19,8 @@ TTFT is ``generate`` of one token there.
 
 from __future__ import annotations
 
+import importlib.util
+import socket
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +30,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from kvmux.models import TinyModelSpec, random_prompts, tiny_model
+from kvmux.net.nixl_agent import skip_ucx_ib_without_devices
+from kvmux.registry import resolve
 from kvmux.testing.vllm_engine import EngineProcess, EngineSpec
 
 BENCH_MODEL = TinyModelSpec(
@@ -58,7 +62,7 @@ class VllmBenchConfig(BaseModel):
     prompt_tokens: int = 2000
     new_tokens: int = 16
     repeats: int = 3
-    backends: tuple[str, ...] = ("cpu", "disk", "shm", "tcp")
+    backends: tuple[str, ...] = ("cpu", "disk", "shm", "tcp", "nixl")
 
 
 def run_bench(
@@ -99,6 +103,10 @@ def run_bench(
         )
         records.append(example.model_copy(update={"vs_floor": example.seconds / floor}))
         for backend in cfg.backends:
+            reason = resolve(backend).unavailable_reason()
+            if reason is not None:
+                progress(f"kvmux {backend}: skipped ({reason})")
+                continue
             progress(f"kvmux {backend}")
             if backend in ("cpu", "disk"):
                 extra: dict[str, Any] = {"backend": backend}
@@ -117,8 +125,14 @@ def run_bench(
                     )
                 )
             else:
-                rec = _pd(backend, base, prompts, warm, cfg)
+                producer, consumer = _kvmux_pd(backend, base)
+                rec = _pd(f"kvmux {backend}", producer, consumer, prompts, warm, cfg)
                 records.append(rec.model_copy(update={"vs_floor": rec.seconds / floor}))
+        if importlib.util.find_spec("nixl") is not None:
+            progress("vLLM NixlConnector")
+            producer, consumer = _vllm_nixl_pd(base)
+            rec = _pd("vLLM NixlConnector", producer, consumer, prompts, warm, cfg)
+            records.append(rec.model_copy(update={"vs_floor": rec.seconds / floor}))
         progress("kvmux idle steps")
         with _engine(_with(base, "kvmux", {"backend": "cpu"})) as idle:
             idle_kvmux = _idle_step_s(idle, cfg)
@@ -176,20 +190,25 @@ def _save_load(
 
 
 def _pd(
-    backend: str, base: EngineSpec, prompts: list[list[int]], warm: list[list[int]], cfg: Any
+    label: str,
+    producer_spec: EngineSpec,
+    consumer_spec: EngineSpec,
+    prompts: list[list[int]],
+    warm: list[list[int]],
+    cfg: Any,
 ) -> VllmBenchRecord:
-    extra = {"backend": backend, "capacity_bytes": 2 * 2**30}
-    producer = EngineProcess(_with(base, "kvmux", extra, "kv_producer"), wait=False)
-    consumer = EngineProcess(_with(base, "kvmux", extra, "kv_consumer"), wait=False)
+    """Decode-side time of a P/D pair; every round prefills afresh (a pulled request's
+    blocks are gone from a NIXL producer) and makes the decode forget the prompts."""
+    producer = EngineProcess(producer_spec, wait=False)
+    consumer = EngineProcess(consumer_spec, wait=False)
+    handoff = [{"do_remote_decode": True}] * len(prompts)
     try:
         producer.wait_ready()
         consumer.wait_ready()
         consumer.generate(warm, 1)
-        handoff = [{"do_remote_decode": True}] * len(prompts)
-        outs = producer.generate(prompts, 1, handoff)
-        params = [o["kv_transfer_params"] for o in outs]
 
         def decode(tokens: int) -> float:
+            params = [o["kv_transfer_params"] for o in producer.generate(prompts, 1, handoff)]
             consumer.call("reset_prefix_cache")
             return _timed(consumer, prompts, tokens, kv_transfer_params=params)
 
@@ -199,13 +218,44 @@ def _pd(
     finally:
         producer.stop()
         consumer.stop()
-    failed = stats.get("load_blocks_failed", 0) + stats.get("load_blocks_missing", 0)
-    note = f"{stats.get('load_bytes', 0) / 2**20:.0f} MiB loaded"
-    if failed:
-        note += f", {failed:.0f} blocks FAILED"
+    note = ""
+    if stats:
+        failed = stats.get("load_blocks_failed", 0) + stats.get("load_blocks_missing", 0)
+        note = f"{stats.get('load_bytes', 0) / 2**20:.0f} MiB loaded"
+        if failed:
+            note += f", {failed:.0f} blocks FAILED"
     return VllmBenchRecord(
-        scenario="P/D decode", connector=f"kvmux {backend}", seconds=seconds, ttft_s=ttft, note=note
+        scenario="P/D decode", connector=label, seconds=seconds, ttft_s=ttft, note=note
     )
+
+
+def _kvmux_pd(backend: str, base: EngineSpec) -> tuple[EngineSpec, EngineSpec]:
+    extra = {"backend": backend, "capacity_bytes": 2 * 2**30}
+    return _with(base, "kvmux", extra, "kv_producer"), _with(base, "kvmux", extra, "kv_consumer")
+
+
+def _vllm_nixl_pd(base: EngineSpec) -> tuple[EngineSpec, EngineSpec]:
+    """vLLM's in-tree NixlConnector on host buffers (shared/NOTES.md), one side channel each."""
+
+    skip_ucx_ib_without_devices()  # inherited by the engines (see the function)
+
+    def side(role: str) -> EngineSpec:
+        transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+            "UCX_NET_DEVICES": "lo",
+        }
+        return base.model_copy(update={"kv_transfer_config": transfer, "env": env})
+
+    return side("kv_producer"), side("kv_consumer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _idle_step_s(engine: EngineProcess, cfg: Any) -> float:

@@ -25,6 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,20 @@ def quiet_nixl_logger() -> None:
         logger.setLevel(logging.WARNING)
 
 
+def skip_ucx_ib_without_devices() -> None:
+    """No InfiniBand device: keep UCX from loading its ``ib`` module at all.
+
+    The module would load the system's libibverbs and with it the system's
+    libnl, beside the copy the nixl wheel bundles; the two copies' destructors
+    then crash every process that created a UCX backend, at exit (seen here
+    with ``libibverbs1`` installed for Mooncake). Without a device the module
+    has nothing to offer, and an explicit ``UCX_MODULES`` is left alone.
+    """
+    devices = Path("/sys/class/infiniband")
+    if not (devices.is_dir() and any(devices.iterdir())):
+        os.environ.setdefault("UCX_MODULES", "^ib")
+
+
 class NixlAgent:
     """A NIXL agent with backends ``backends`` (options per backend), its memory
     registrations, the remote agents it knows, and its pump."""
@@ -81,6 +96,7 @@ class NixlAgent:
         from nixl._api import nixl_agent, nixl_agent_config
 
         quiet_nixl_logger()
+        skip_ucx_ib_without_devices()
         self.name = f"kvmux-{os.getpid()}-{secrets.token_hex(8)}"
         conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         self._lock = threading.RLock()
