@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml
 	# parts declare an unpinned torch (shared/NOTES.md). cu13 too, or NIXL fails
 	# to import once anything installs cuda.bindings.
 	$(PIP) install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
+	# kvmux[mooncake]: the non-CUDA Transfer Engine needs one system library.
+	dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+		|| echo "warning: could not install libibverbs1; the mooncake backends will be unavailable"
+	$(PIP) install -e '.[mooncake]'
 	touch $@
 
 demo: $(STAMP)

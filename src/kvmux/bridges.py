@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from kvmux.buffer import LookupBuffer
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector
+from kvmux.connector import Address, Connector, Health
 from kvmux.errors import ClosedError, ProtocolError, TransferError, TransferTimeout
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
@@ -299,6 +299,10 @@ class BufferConnector(Connector):
     def _attach(self, source: Address | None) -> None:
         if source is not None and self.capabilities.p2p:
             self.buffer.connect(source)
+
+    def health(self) -> Health:
+        own = super().health()
+        return self.buffer.health() if own.healthy else own
 
     def address(self) -> dict[str, Any] | None:
         return self.buffer.address()

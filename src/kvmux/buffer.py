@@ -16,6 +16,7 @@ import torch
 
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
+from kvmux.connector import Health
 from kvmux.keys import BlockKey
 
 
@@ -55,6 +56,10 @@ class LookupBuffer(ABC):
     def connect(self, address: Mapping[str, Any]) -> None:
         """Attach to the peer buffer at ``address`` (channel-like buffers only)."""
         raise NotImplementedError(f"{type(self).__name__} does not connect to peers")
+
+    def health(self) -> Health:
+        """Whether the store answers. Override where that can be asked (a remote master)."""
+        return Health(True)
 
     @abstractmethod
     def close(self) -> None:

@@ -36,7 +36,7 @@ class BenchRecord(BaseModel):
     baseline_gbps: float
     ratio: float | None
     baseline_load_gbps: float | None = None
-    """The baseline's load part alone, where it has one (raw NIXL: its READ)."""
+    """The baseline's load part alone, where it has one (raw NIXL or Mooncake: its READ)."""
     lookup_ms_10k: float | None = None
     """One lookup of 10,000 present keys (measured once per backend)."""
     error: str | None = None
@@ -53,10 +53,16 @@ well as next to memcpy."""
 
 NIXL_BACKENDS = {"nixl"}
 """Backends measured next to raw NIXL (:mod:`kvmux.bench.nixl_baseline`) as well."""
+MOONCAKE_BACKENDS = {"mooncake"}
+"""Backends measured next to raw Mooncake TE (:mod:`kvmux.bench.mooncake_baseline`) as well."""
+RAW_BASELINES = ("nixl", "mooncake")
+"""Baselines with a load part of their own (reported as ``baseline_load_gbps``)."""
 
 
 def baselines_for(name: str) -> list[str]:
     extra = ["socket"] if name in SOCKET_BACKENDS else ["nixl"] if name in NIXL_BACKENDS else []
+    if name in MOONCAKE_BACKENDS:
+        extra = ["mooncake"]
     return ["memcpy", *extra]
 
 
@@ -83,6 +89,17 @@ def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord
                 return save_s + load_s
 
             measures["nixl"] = raw_nixl
+        if "mooncake" in baselines:
+            from kvmux.bench.mooncake_baseline import RawMooncakeRead
+
+            raw_mc = stack.enter_context(RawMooncakeRead(shape))
+
+            def raw_mooncake() -> float:
+                save_s, load_s = raw_mc.save_load_seconds()
+                load_times.append(load_s)
+                return save_s + load_s
+
+            measures["mooncake"] = raw_mooncake
 
         def measure_baselines() -> None:
             for b in baselines:
@@ -126,7 +143,7 @@ def _bench_records(
     for b in baselines:
         base_gbps = shape.nbytes / statistics.median(base_times[b]) / 1e9
         base_load = None
-        if b == "nixl" and load_times:
+        if b in RAW_BASELINES and load_times:
             base_load = round(shape.nbytes / statistics.median(load_times) / 1e9, 3)
         records.append(
             BenchRecord(

@@ -1,0 +1,236 @@
+"""``mooncake``: the producer's pool is registered with a Mooncake Transfer Engine; a
+consumer READs it straight into its own KV memory.
+
+The served pool of ``tcp``/``shm``/``nixl`` (:mod:`kvmux.net.served_pool`) with
+Mooncake's Transfer Engine (TE) as the data path. ``save`` copies blocks into
+the pool (so the engine may reuse its blocks once the handle ends); the pool is
+one tensor registered with this instance's engine. A consumer registers its KV
+tensors with its own engine, asks the producer over kvmux's validated TCP
+control channel to *locate* a batch of keys (which pins their slots under a
+lease and answers with the pool's address and the engine's RPC port), then
+issues **one** batch READ covering every block and layer, merged into
+contiguous runs, straight into its KV memory, and sends ``unpin``. A consumer
+that vanishes ends its pins with its connection, a stuck one with ``lease_s``.
+
+Why a control channel at all, when TE has its own handshake: TE moves bytes
+between addresses but knows nothing of keys, slots or their reuse. Pinning is
+what guarantees that a slot is not overwritten while it is read, and the
+layout check at kvmux's handshake is what refuses a peer whose blocks have
+another shape (TE would copy them without complaint).
+
+Never wrong bytes and never a hang: the consumer waits at most ``timeout_s``
+(and never past the lease, counted from before it asked), then fails the keys;
+see :mod:`kvmux.net.mooncake_engine` for why and for the one caveat (a frozen
+peer's late writes). TE listens on ``0.0.0.0`` whatever ``te_host`` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kvmux.capabilities import Capabilities
+from kvmux.errors import LayoutError, TransferError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
+from kvmux.net.client import Link
+from kvmux.net.messages import LocateRequest, Message, MooncakeLocateReply, Unpin, expect
+from kvmux.net.mooncake_engine import MooncakeEngine
+from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
+from kvmux.net.server import Handler, Session
+
+
+class MooncakeConfig(ServedPoolConfig):
+    backend: str = "mooncake"
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="TE transport: tcp anywhere, rdma where an RDMA device exists"
+    )
+    device_name: str = Field(
+        "", description="RDMA devices for TE (e.g. 'mlx5_0'); empty: auto / none for tcp"
+    )
+    te_host: str = Field(
+        "127.0.0.1",
+        description="hostname TE advertises to peers; note TE listens on 0.0.0.0 anyway",
+    )
+    max_queued_per_peer: int = Field(
+        8192,
+        ge=1,
+        description="MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, set before TE starts: TE's "
+        "default makes batches of thousands of small blocks fail (process-wide); a READ "
+        "of more ranges is split into TE calls of this many",
+    )
+    lease_s: float = Field(
+        30.0, gt=0, description="longest a consumer's pin holds slots without being ended"
+    )
+
+
+class MooncakeConnector(ServedPoolConnector):
+    """Pool registered with TE + control server + one-batch READ puller."""
+
+    config_model = MooncakeConfig
+    config: MooncakeConfig
+    service = "mooncake"
+    capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        self._pool_base = 0
+        self._pieces: list[tuple[int, int, int]] = []
+        """Per piece of a serialized block: (address of piece 0, stride, length)."""
+        # The engine exists before the server answers its first request.
+        self._engine = MooncakeEngine(
+            config.te_host, config.protocol, config.device_name, config.max_queued_per_peer
+        )
+        try:
+            super().__init__(config)
+        except BaseException:
+            self._engine.close()
+            raise
+
+    # ------------------------------------------------------------------ memory
+
+    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
+        self._engine.register([pool])
+        self._pool_base = pool.data_ptr()
+        return pool
+
+    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        tensors = [caches[spec.name] for spec in layout.layers]
+        if not all(t.is_contiguous() for t in tensors):
+            raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
+        super()._register(layout, caches)
+        self._engine.register(tensors)
+        pieces = []
+        for spec, tensor in zip(layout.layers, tensors, strict=True):
+            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
+            seg = spec.block_nbytes // outer
+            for j in range(outer):
+                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg))
+        self._pieces = pieces
+
+    def _runs(
+        self, blocks: list[int], rows: list[int], base: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(local, remote, length) of one batch READ: every piece of every block, runs
+        contiguous on both sides merged into one range (fewer TE requests)."""
+        b = np.asarray(blocks, dtype=np.uint64)
+        r = np.asarray(rows, dtype=np.uint64)
+        row_nbytes = np.uint64(self.copier.block_nbytes)
+        local, remote, lengths = [], [], []
+        offset = 0
+        # Block-major order: a block's pieces are adjacent in the pool row.
+        for start, stride, length in self._pieces:
+            local.append(np.uint64(start) + b * np.uint64(stride))
+            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
+            lengths.append(np.full(len(b), length, dtype=np.uint64))
+            offset += length
+        lo = np.stack(local, axis=1).reshape(-1)
+        re_ = np.stack(remote, axis=1).reshape(-1)
+        ln = np.stack(lengths, axis=1).reshape(-1)
+        starts = np.ones(len(lo), dtype=bool)
+        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
+        first = np.flatnonzero(starts)
+        run_len = np.add.reduceat(ln, first)
+        return lo[first].tolist(), re_[first].tolist(), run_len.tolist()
+
+    def _handlers(self) -> dict[type[Message], Handler]:
+        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
+
+    # ---------------------------------------------------------------- producer
+
+    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
+        if self._layout_refused(session):
+            return
+        keys = list(req.block_keys())
+        with self._lock:
+            registered = self._pool is not None
+            rows = [self._slots.find(key) if registered else None for key in keys]
+            found = [row for row in rows if row is not None]
+            lease = 0
+            if found:
+                lease = self._slots.lease(found, time.monotonic() + self.config.lease_s)
+                session.leases.add(lease)
+            slots = self._slots.slots
+        session.send(
+            MooncakeLocateReply(
+                lease=lease,
+                lease_s=self.config.lease_s,
+                te_port=self._engine.port,
+                base=self._pool_base,
+                slots=slots,
+                block_nbytes=self.copier.block_nbytes if registered else 0,
+                rows=rows,
+            )
+        )
+
+    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
+        if msg.lease in session.leases:  # only the client that holds a lease may end it
+            session.leases.discard(msg.lease)
+            with self._lock:
+                self._slots.end_lease(msg.lease)
+
+    def _session_closed(self, session: Session) -> None:
+        with self._lock:
+            for lease in session.leases:
+                self._slots.end_lease(lease)
+
+    # ---------------------------------------------------------------- consumer
+
+    def _pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> tuple[list[Outcome], int]:
+        asked = time.monotonic()
+        link.channel.send(LocateRequest.of(keys), deadline=deadline)
+        reply = expect(link.channel.recv(deadline), MooncakeLocateReply)
+        if len(reply.rows) != len(keys):
+            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
+        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
+        rows = [row for row in reply.rows if row is not None]
+        if not rows:
+            return [MISSING] * len(keys), 0
+        try:
+            if reply.block_nbytes != self.copier.block_nbytes:
+                raise TransferError(
+                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
+                )
+            local, remote, lengths = self._runs(blocks, rows, reply.base)
+            until = min(deadline, asked + reply.lease_s)
+            self._engine.read(
+                f"{link.endpoint[0]}:{reply.te_port}",
+                local,
+                remote,
+                lengths,
+                timeout_s=until - time.monotonic(),
+            )
+        finally:
+            # A courtesy: a producer that is gone (or drops this connection) ends the
+            # lease itself; the READ's bytes stand or fall with the lease check below.
+            with contextlib.suppress(TransferError):
+                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
+        if time.monotonic() - asked >= reply.lease_s:
+            late = failed(f"READ outlasted the producer's {reply.lease_s} s lease; bytes unsure")
+            return [late if row is not None else MISSING for row in reply.rows], 0
+        outcomes = [OK if row is not None else MISSING for row in reply.rows]
+        return outcomes, len(rows) * self.copier.block_nbytes
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        with self._lock:
+            out["mooncake_pinned_slots"] = self._slots.pinned
+        return out
+
+    def address(self) -> dict[str, Any]:
+        return {**super().address(), "te_port": self._engine.port}
+
+    def _close(self) -> None:
+        super()._close()
+        self._engine.close()

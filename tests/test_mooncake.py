@@ -1,0 +1,374 @@
+"""``mooncake`` (Transfer Engine, P2P) and ``mooncake-store`` (Mooncake Store as a
+LookupBuffer) with the real ``mooncake`` package, across OS processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("mooncake")
+
+from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
+from kvmux.connectors.mooncake import MooncakeConnector
+from kvmux.errors import ClosedError, TransferError
+from kvmux.keys import chain_keys
+from kvmux.registry import create_connector, entries
+from kvmux.testing.configs import registry_factory
+from kvmux.testing.harness import ConnectorFactory
+from kvmux.testing.peer import (
+    PeerProcess,
+    block_bytes,
+    empty_caches,
+    make_caches,
+    make_layout,
+    spawn_peer,
+)
+from kvmux.testing.suite import ConnectorSuite
+
+from support import P2P_TIMEOUT_S, Consumer, statuses
+
+SEED = 17
+N = 64
+CONFIG: dict[str, Any] = {
+    "backend": "mooncake",
+    "timeout_s": P2P_TIMEOUT_S,
+    "capacity_bytes": 4 * 2**20,
+}
+MASTER = Path(os.environ.get("VIRTUAL_ENV", ".venv")) / "bin" / "mooncake_master"
+
+
+def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any) -> Consumer:
+    connector = create_connector({**CONFIG, **config})
+    caches = empty_caches(num_blocks, layout)
+    connector.register(make_layout(caches), caches)
+    return Consumer(connector, caches)
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[PeerProcess]:
+    with spawn_peer(CONFIG, N, SEED) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def expected() -> torch.Tensor:
+    return block_bytes(make_caches(SEED, N), range(N))
+
+
+@pytest.fixture
+def consumer() -> Iterator[Consumer]:
+    c = open_consumer()
+    yield c
+    c.connector.close()
+
+
+# ------------------------------------------------------------- mooncake (P2P)
+
+
+class TestMooncakeConformance(ConnectorSuite):
+    """The whole suite, built through the registry like every built-in."""
+
+    @pytest.fixture
+    def connector_factory(self, tmp_path: Path) -> ConnectorFactory:
+        return registry_factory("mooncake", {"capacity_bytes": 8 * 2**20}, tmp_path)
+
+
+def test_blocks_from_another_process_arrive_byte_exact(
+    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
+) -> None:
+    dst = list(range(2 * N - 1, N - 1, -1))
+    result = consumer.load(producer.keys, dst, producer.address)
+    assert result.ok, result.not_ok[:2]
+    assert result.nbytes == N * consumer.connector.copier.block_nbytes
+    assert torch.equal(consumer.blocks(dst), expected)
+    unknown = chain_keys(list(range(64)), 16, "nobody-saved-this")
+    mixed = consumer.load([unknown[0], producer.keys[3]], [0, 1], producer.address)
+    assert statuses(mixed) == ["missing", "ok"]
+    assert torch.equal(consumer.blocks([1]), expected[[3]]) and not consumer.blocks([0]).any()
+    assert consumer.connector.lookup(producer.keys, producer.address) == N
+
+
+def test_a_consumer_with_another_layout_is_refused_at_handshake(producer: PeerProcess) -> None:
+    other = open_consumer(num_blocks=8, layout="other")
+    try:
+        result = other.load(producer.keys[:4], [0, 1, 2, 3], producer.address)
+        assert statuses(result) == ["failed"] * 4
+        assert "layout mismatch" in (result.outcomes[0].reason or "")
+        assert not other.blocks(range(4)).any()
+    finally:
+        other.connector.close()
+
+
+def test_thousands_of_small_blocks_in_one_batch() -> None:
+    """4096 16 KiB blocks scattered: TE's default queue would fail this batch."""
+    n = 4096
+    caches = make_caches(SEED, n)
+    slow_ok = {"timeout_s": 20.0}  # 64 MiB over loopback TCP on a shared 2-core machine
+    owner = create_connector({**CONFIG, **slow_ok, "capacity_bytes": 2 * n * 16384})
+    big = open_consumer(num_blocks=n, **slow_ok)
+    try:
+        owner.register(make_layout(caches), caches)
+        keys = chain_keys(list(range(n * 16)), 16, "many")
+        assert owner.save(keys, list(range(n))).result().ok
+        dst = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+        result = big.load(keys, dst, owner.address(), bound_s=30)
+        assert result.ok, result.not_ok[:2]
+        assert torch.equal(big.blocks(dst), block_bytes(caches, range(n)))
+    finally:
+        big.connector.close()
+        owner.close()
+
+
+def test_a_read_larger_than_the_te_queue_is_split(
+    producer: PeerProcess,
+    consumer: Consumer,
+    expected: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More ranges than TE queues per peer would fail and break the engine: split them."""
+    conn = consumer.connector
+    assert isinstance(conn, MooncakeConnector)
+    calls: list[int] = []
+    real = conn._engine._engine.batch_transfer_sync_read
+
+    class Counting:
+        def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
+            calls.append(len(ranges[0]))
+            return int(real(peer, *ranges))
+
+    monkeypatch.setattr(conn._engine, "max_batch", 10)
+    monkeypatch.setattr(conn._engine, "_engine", Counting())
+    dst = torch.randperm(N, generator=torch.Generator().manual_seed(3)).tolist()
+    result = consumer.load(producer.keys, dst, producer.address)
+    assert result.ok, result.not_ok[:2]
+    assert torch.equal(consumer.blocks(dst), expected)
+    assert max(calls) <= 10 and sum(calls) >= N
+
+
+@pytest.mark.parametrize("fate", ["killed", "stopped"])
+def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
+    fate: str, producer: PeerProcess, expected: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The producer pins the blocks and answers, then dies (SIGKILL) or freezes
+    (SIGSTOP) just as the READ starts; the survivor then serves from another peer."""
+    big = 1024
+    consumer = open_consumer(num_blocks=big)
+    conn = consumer.connector
+    assert isinstance(conn, MooncakeConnector)
+    try:
+        with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
+            real_read = conn._engine.read
+
+            def read_as_it_dies(*args: Any, **kwargs: Any) -> None:
+                if fate == "killed":
+                    doomed.kill()
+                else:
+                    os.kill(doomed.pid, signal.SIGSTOP)
+                real_read(*args, **kwargs)
+
+            monkeypatch.setattr(conn._engine, "read", read_as_it_dies)
+            start = time.monotonic()
+            during = consumer.load(doomed.keys, list(range(big)), doomed.address)
+            elapsed = time.monotonic() - start
+            monkeypatch.undo()
+            if fate == "stopped":
+                os.kill(doomed.pid, signal.SIGCONT)
+        assert elapsed < P2P_TIMEOUT_S + 1, elapsed
+        assert statuses(during) == ["failed"] * big
+        again = consumer.load(producer.keys, list(range(N)), producer.address)
+        assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
+    finally:
+        conn.close()
+
+
+def test_pins_end_after_a_load() -> None:
+    caches = make_caches(SEED, 8)
+    owner = create_connector(CONFIG)
+    reader = open_consumer(num_blocks=8)
+    try:
+        owner.register(make_layout(caches), caches)
+        keys = chain_keys(list(range(8 * 16)), 16, "pins")
+        assert owner.save(keys, list(range(8))).result().ok
+        assert reader.load(keys, list(range(8)), owner.address()).ok
+        deadline = time.monotonic() + P2P_TIMEOUT_S
+        while owner.stats()["mooncake_pinned_slots"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert owner.stats()["mooncake_pinned_slots"] == 0
+    finally:
+        reader.connector.close()
+        owner.close()
+
+
+def test_two_connectors_of_a_process_may_register_the_same_kv(expected: torch.Tensor) -> None:
+    """TE refuses a second registration of the same memory; the shared engine counts them."""
+    caches = empty_caches(N)
+    first, second = create_connector(CONFIG), create_connector(CONFIG)
+    owner = create_connector(CONFIG)
+    try:
+        first.register(make_layout(caches), caches)
+        second.register(make_layout(caches), caches)
+        first.close()  # must not unregister the memory second still reads into
+        src = make_caches(SEED, N)
+        owner.register(make_layout(src), src)
+        keys = chain_keys(list(range(N * 16)), 16, "shared-kv")
+        assert owner.save(keys, list(range(N))).result().ok
+        result = second.load(keys, list(range(N)), owner.address()).result(timeout=30)
+        assert result.ok, result.not_ok[:2]
+        assert torch.equal(block_bytes(caches, range(N)), expected)
+    finally:
+        for conn in (first, second, owner):
+            conn.close()
+
+
+def test_listing_shows_both_entries_with_the_mooncake_extra() -> None:
+    found = {(e.group, e.name): e for g in ("connectors", "buffers") for e in entries.scan(g)}
+    for key in (("connectors", "mooncake"), ("buffers", "mooncake-store")):
+        assert found[key].extras == ("mooncake",)
+        assert found[key].unavailable_reason() is None
+
+
+# ------------------------------------------------------ mooncake-store (buffer)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def run_master() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A private ``mooncake_master`` on free loopback ports, stopped by PID."""
+    binary = str(MASTER) if MASTER.exists() else shutil.which("mooncake_master")
+    if binary is None:
+        pytest.skip("mooncake_master is not installed")
+    port, metrics = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "mooncake_master exited"
+                assert time.monotonic() < deadline, "mooncake_master did not listen"
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[str]:
+    with run_master() as (address, _):
+        yield address
+        close_clients(address)  # before the master goes: else exit waits on dead clients
+
+
+def store_config(master: str, tag: str) -> dict[str, Any]:
+    return {
+        "master_address": master,
+        "global_segment_bytes": 16 * 2**20,
+        "local_buffer_bytes": 16 * 2**20,
+        "key_prefix": f"kvmux-test/{tag}/",
+    }
+
+
+class TestMooncakeStoreConformance(ConnectorSuite):
+    """The whole suite on the store, through the registry (BufferConnector)."""
+
+    @pytest.fixture
+    def connector_factory(self, tmp_path: Path, master: str) -> ConnectorFactory:
+        return registry_factory("mooncake-store", store_config(master, tmp_path.name), tmp_path)
+
+
+def test_store_blocks_cross_processes_byte_exact(master: str, expected: torch.Tensor) -> None:
+    config = {"backend": "mooncake-store", **store_config(master, "xproc")}
+    with spawn_peer(config, N, SEED) as writer:
+        reader = create_connector(config)
+        try:
+            caches = empty_caches(N)
+            reader.register(make_layout(caches), caches)
+            assert reader.lookup(writer.keys) == N
+            result = reader.load(writer.keys, list(range(N))).result(timeout=30)
+            assert result.ok, result.not_ok[:2]
+            assert torch.equal(block_bytes(caches, range(N)), expected)
+            assert reader.lookup(writer.keys) == 0  # consumed
+        finally:
+            reader.close()
+
+
+HEALTH_CHILD = """
+import json, os, signal, sys
+from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
+buffer = MooncakeStoreBuffer(MooncakeStoreConfig(**json.loads(sys.argv[1])))
+before = buffer.health()
+os.kill(int(sys.argv[2]), signal.SIGKILL)
+after = buffer.health()
+print(json.dumps([before.healthy, after.healthy, after.detail]), flush=True)
+os._exit(0)  # a client whose master is gone makes a normal exit wait 10-30 s
+"""
+
+
+def test_store_health_tracks_the_master() -> None:
+    """In a child process that kills the master: the dead client stays there."""
+    with run_master() as (address, proc):
+        config = json.dumps(store_config(address, "health"))
+        child = subprocess.run(
+            [sys.executable, "-c", HEALTH_CHILD, config, str(proc.pid)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert child.returncode == 0, child.stderr[-2000:]
+        before, after, detail = json.loads(child.stdout.strip().splitlines()[-1])
+        assert before and not after and address in detail
+
+
+def test_a_closed_store_buffer_is_unhealthy_and_refuses_calls(master: str) -> None:
+    buffer = MooncakeStoreBuffer(MooncakeStoreConfig(**store_config(master, "closed")))
+    assert buffer.health().healthy
+    buffer.close()
+    assert not buffer.health().healthy
+    with pytest.raises(ClosedError):
+        buffer.contains(chain_keys(list(range(16)), 16, "x")[0])
+
+
+def test_master_down_is_a_clear_error_at_creation() -> None:
+    port = _free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(TransferError, match=r"master .* is unreachable"):
+        create_connector(
+            {"backend": "mooncake-store", "timeout_s": 2.0, "master_address": f"127.0.0.1:{port}"}
+        )
+    assert time.monotonic() - start < 3
