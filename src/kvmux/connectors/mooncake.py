@@ -26,7 +26,6 @@ peer's late writes). TE listens on ``0.0.0.0`` whatever ``te_host`` says.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -36,18 +35,15 @@ import torch
 from pydantic import Field
 
 from kvmux.capabilities import Capabilities
-from kvmux.errors import LayoutError, TransferError
-from kvmux.handle import MISSING, OK, Outcome, failed
-from kvmux.keys import BlockKey
+from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateRequest, Message, MooncakeLocateReply, Unpin, expect
+from kvmux.net.messages import Message, MooncakeLocateReply
 from kvmux.net.mooncake_engine import MooncakeEngine
-from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
-from kvmux.net.server import Handler, Session
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
 
 
-class MooncakeConfig(ServedPoolConfig):
+class MooncakeConfig(PinnedPoolConfig):
     backend: str = "mooncake"
     protocol: Literal["tcp", "rdma"] = Field(
         "tcp", description="TE transport: tcp anywhere, rdma where an RDMA device exists"
@@ -71,12 +67,13 @@ class MooncakeConfig(ServedPoolConfig):
     )
 
 
-class MooncakeConnector(ServedPoolConnector):
+class MooncakeConnector(PinnedPoolConnector):
     """Pool registered with TE + control server + one-batch READ puller."""
 
     config_model = MooncakeConfig
     config: MooncakeConfig
     service = "mooncake"
+    reply_type = MooncakeLocateReply
     capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)
 
     def __init__(self, config: MooncakeConfig) -> None:
@@ -140,85 +137,35 @@ class MooncakeConnector(ServedPoolConnector):
         run_len = np.add.reduceat(ln, first)
         return lo[first].tolist(), re_[first].tolist(), run_len.tolist()
 
-    def _handlers(self) -> dict[type[Message], Handler]:
-        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
-
     # ---------------------------------------------------------------- producer
 
-    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        if self._layout_refused(session):
-            return
-        keys = list(req.block_keys())
-        with self._lock:
-            registered = self._pool is not None
-            rows = [self._slots.find(key) if registered else None for key in keys]
-            found = [row for row in rows if row is not None]
-            lease = 0
-            if found:
-                lease = self._slots.lease(found, time.monotonic() + self.config.lease_s)
-                session.leases.add(lease)
-            slots = self._slots.slots
-        session.send(
-            MooncakeLocateReply(
-                lease=lease,
-                lease_s=self.config.lease_s,
-                te_port=self._engine.port,
-                base=self._pool_base,
-                slots=slots,
-                block_nbytes=self.copier.block_nbytes if registered else 0,
-                rows=rows,
-            )
+    def _locate_reply(
+        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
+    ) -> Message:
+        return MooncakeLocateReply(
+            lease=lease,
+            lease_s=self.config.lease_s,
+            te_port=self._engine.port,
+            base=self._pool_base,
+            slots=slots,
+            block_nbytes=block_nbytes,
+            rows=rows,
         )
-
-    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
-        if msg.lease in session.leases:  # only the client that holds a lease may end it
-            session.leases.discard(msg.lease)
-            with self._lock:
-                self._slots.end_lease(msg.lease)
-
-    def _session_closed(self, session: Session) -> None:
-        with self._lock:
-            for lease in session.leases:
-                self._slots.end_lease(lease)
 
     # ---------------------------------------------------------------- consumer
 
-    def _pull(
-        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
-        asked = time.monotonic()
-        link.channel.send(LocateRequest.of(keys), deadline=deadline)
-        reply = expect(link.channel.recv(deadline), MooncakeLocateReply)
-        if len(reply.rows) != len(keys):
-            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
-        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
-        rows = [row for row in reply.rows if row is not None]
-        if not rows:
-            return [MISSING] * len(keys), 0
-        try:
-            if reply.block_nbytes != self.copier.block_nbytes:
-                raise TransferError(
-                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
-                )
-            local, remote, lengths = self._runs(blocks, rows, reply.base)
-            until = min(deadline, asked + reply.lease_s)
-            self._engine.read(
-                f"{link.endpoint[0]}:{reply.te_port}",
-                local,
-                remote,
-                lengths,
-                timeout_s=until - time.monotonic(),
-            )
-        finally:
-            # A courtesy: a producer that is gone (or drops this connection) ends the
-            # lease itself; the READ's bytes stand or fall with the lease check below.
-            with contextlib.suppress(TransferError):
-                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
-        if time.monotonic() - asked >= reply.lease_s:
-            late = failed(f"READ outlasted the producer's {reply.lease_s} s lease; bytes unsure")
-            return [late if row is not None else MISSING for row in reply.rows], 0
-        outcomes = [OK if row is not None else MISSING for row in reply.rows]
-        return outcomes, len(rows) * self.copier.block_nbytes
+    def _move(
+        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
+    ) -> None:
+        assert isinstance(reply, MooncakeLocateReply)
+        local, remote, lengths = self._runs(blocks, rows, reply.base)
+        self._engine.read(
+            f"{link.endpoint[0]}:{reply.te_port}",
+            local,
+            remote,
+            lengths,
+            timeout_s=until - time.monotonic(),
+        )
 
     # ------------------------------------------------------------------ public
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import re
 import secrets
 import threading
@@ -38,20 +37,19 @@ from pydantic import Field
 
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
-from kvmux.handle import MISSING, OK, Outcome, failed
-from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateRequest, Message, NixlLocateReply, Unpin, expect
+from kvmux.net.messages import Message, NixlLocateReply, Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
-from kvmux.net.served_pool import PeerAddress, ServedPoolConfig, ServedPoolConnector
-from kvmux.net.server import Handler, Session
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
+from kvmux.net.served_pool import PeerAddress
+from kvmux.net.server import Session
 
 _UNPIN = re.compile(rb"^kvmux-unpin:([0-9]{1,19})$")
 """The notification a consumer's READ delivers to end its lease."""
 
 
-class NixlConfig(ServedPoolConfig):
+class NixlConfig(PinnedPoolConfig):
     backend: str = "nixl"
     backends: list[str] = Field(
         default_factory=lambda: ["UCX"], min_length=1, description="NIXL plugins to create"
@@ -73,12 +71,14 @@ class NixlConfig(ServedPoolConfig):
     )
 
 
-class NixlConnector(ServedPoolConnector):
+class NixlConnector(PinnedPoolConnector):
     """Pool registered with NIXL + control server + zero-copy READ puller."""
 
     config_model = NixlConfig
     config: NixlConfig
     service = "nixl"
+    reply_type = NixlLocateReply
+    move_ends_lease = True  # the READ carries the notification that unpins
     capabilities = Capabilities(
         p2p=True, zero_copy=True, capacity_bound=True, memory_kinds=frozenset({"cpu", "cuda"})
     )
@@ -160,38 +160,29 @@ class NixlConnector(ServedPoolConnector):
         rem = np.stack([re_[first], run_len, np.zeros_like(run_len)], axis=1)
         return loc, rem
 
-    def _handlers(self) -> dict[type[Message], Handler]:
-        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
-
     # ---------------------------------------------------------------- producer
 
-    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        if self._layout_refused(session):
-            return
-        keys = list(req.block_keys())
-        with self._lock:
-            registered = self._pool is not None
-            rows = [self._slots.find(key) if registered else None for key in keys]
-            found = [row for row in rows if row is not None]
-            token = 0
-            if found:
-                expires = time.monotonic() + self.config.lease_s
-                token = secrets.randbits(62) + 1
-                self._leases[token] = (self._slots.lease(found, expires), expires, session)
-                session.leases.add(token)
-                self._agent.hold()
-            slots = self._slots.slots
-        session.send(
-            NixlLocateReply(
-                lease=token,
-                lease_s=self.config.lease_s,
-                agent=self._agent.name,
-                metadata=self._metadata or None,
-                base=self._pool_base,
-                slots=slots,
-                block_nbytes=self.copier.block_nbytes if registered else 0,
-                rows=rows,
-            )
+    def _pin(self, rows: list[int], session: Session) -> int:
+        """Random lease tokens: a NIXL notification names one, so none may be guessable."""
+        expires = time.monotonic() + self.config.lease_s
+        token = secrets.randbits(62) + 1
+        self._leases[token] = (self._slots.lease(rows, expires), expires, session)
+        session.leases.add(token)
+        self._agent.hold()
+        return token
+
+    def _locate_reply(
+        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
+    ) -> Message:
+        return NixlLocateReply(
+            lease=lease,
+            lease_s=self.config.lease_s,
+            agent=self._agent.name,
+            metadata=self._metadata or None,
+            base=self._pool_base,
+            slots=slots,
+            block_nbytes=block_nbytes,
+            rows=rows,
         )
 
     def _end_lease(self, token: int, session: Session | None = None) -> None:
@@ -227,44 +218,20 @@ class NixlConnector(ServedPoolConnector):
 
     # ---------------------------------------------------------------- consumer
 
-    def _pull(
-        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
-        asked = time.monotonic()
-        link.channel.send(LocateRequest.of(keys), deadline=deadline)
-        reply = expect(link.channel.recv(deadline), NixlLocateReply)
-        if len(reply.rows) != len(keys):
-            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
-        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
-        rows = [row for row in reply.rows if row is not None]
-        if not rows:
-            return [MISSING] * len(keys), 0
-        try:
-            if reply.block_nbytes != self.copier.block_nbytes:
-                raise TransferError(
-                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
-                )
-            remote = self._remote_agent(link.endpoint, reply)
-            local, remote_descs = self._descs(blocks, rows, reply.base)
-            self._agent.read(
-                remote,
-                local,
-                self._local_mem,
-                remote_descs,
-                notif=b"kvmux-unpin:%d" % reply.lease,
-                deadline=min(deadline, asked + reply.lease_s),
-            )
-        except BaseException:
-            # The READ's notification never went: end the pin by message (a courtesy;
-            # a producer that is gone ends it with the connection).
-            with contextlib.suppress(TransferError):
-                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
-            raise
-        if time.monotonic() - asked >= reply.lease_s:
-            late = failed(f"READ outlasted the producer's {reply.lease_s} s lease; bytes unsure")
-            return [late if row is not None else MISSING for row in reply.rows], 0
-        outcomes = [OK if row is not None else MISSING for row in reply.rows]
-        return outcomes, len(rows) * self.copier.block_nbytes
+    def _move(
+        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
+    ) -> None:
+        assert isinstance(reply, NixlLocateReply)
+        remote = self._remote_agent(link.endpoint, reply)
+        local, remote_descs = self._descs(blocks, rows, reply.base)
+        self._agent.read(
+            remote,
+            local,
+            self._local_mem,
+            remote_descs,
+            notif=b"kvmux-unpin:%d" % reply.lease,
+            deadline=until,
+        )
 
     def _remote_agent(self, endpoint: tuple[str, int], reply: NixlLocateReply) -> str:
         """The producer's agent, added once per endpoint (again if it restarted). Under

@@ -17,9 +17,7 @@ segment must carry the random token the producer announced.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -27,31 +25,30 @@ import torch
 from pydantic import Field
 
 from kvmux.errors import TransferError
-from kvmux.handle import MISSING, OK, Outcome, failed
-from kvmux.keys import BlockKey
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateReply, LocateRequest, Message, Unpin, expect
+from kvmux.net.messages import LocateReply, Message
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
-from kvmux.net.served_pool import PeerAddress, ServedPoolConfig, ServedPoolConnector
-from kvmux.net.server import Handler, Session
+from kvmux.net.served_pool import PeerAddress
 
 _MAPPED_PEERS = 8
 """Producers whose segments stay mapped at once; a mapping pins the producer's memory."""
 
 
-class ShmConfig(ServedPoolConfig):
+class ShmConfig(PinnedPoolConfig):
     backend: str = "shm"
     lease_s: float = Field(
         30.0, gt=0, description="longest a consumer's pin holds slots without being renewed"
     )
 
 
-class ShmConnector(ServedPoolConnector):
+class ShmConnector(PinnedPoolConnector):
     """Pool in a shared segment + control server + same-host puller."""
 
     config_model = ShmConfig
     config: ShmConfig
     service = "shm"
+    reply_type = LocateReply
 
     def __init__(self, config: ShmConfig) -> None:
         super().__init__(config)
@@ -69,51 +66,28 @@ class ShmConnector(ServedPoolConnector):
         """The pool's segment (a file in ``/dev/shm``) once registered."""
         return self._segment.name if self._segment is not None else None
 
-    def _handlers(self) -> dict[type[Message], Handler]:
-        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
-
     def address(self) -> dict[str, Any]:
         return {**super().address(), "host_id": self._host_id}
 
     # ------------------------------------------------------------------ producer
 
-    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        if self._layout_refused(session):
-            return
+    def _serving(self) -> bool:
+        return self._segment is not None and self._pool is not None
+
+    def _locate_reply(
+        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
+    ) -> Message:
         segment = self._segment
-        keys = list(req.block_keys())
-        with self._lock:
-            registered = segment is not None and self._pool is not None
-            rows = [self._slots.find(key) if registered else None for key in keys]
-            found = [row for row in rows if row is not None]
-            lease = 0
-            if found:
-                lease = self._slots.lease(found, time.monotonic() + self.config.lease_s)
-                session.leases.add(lease)
-            slots = self._slots.slots
-        session.send(
-            LocateReply(
-                lease=lease,
-                lease_s=self.config.lease_s,
-                segment=segment.name if segment is not None else None,
-                token=segment.token if segment is not None else None,
-                offset=segment.offset if segment is not None else 0,
-                slots=slots,
-                block_nbytes=self.copier.block_nbytes if registered else 0,
-                rows=rows,
-            )
+        return LocateReply(
+            lease=lease,
+            lease_s=self.config.lease_s,
+            segment=segment.name if segment is not None else None,
+            token=segment.token if segment is not None else None,
+            offset=segment.offset if segment is not None else 0,
+            slots=slots,
+            block_nbytes=block_nbytes,
+            rows=rows,
         )
-
-    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
-        if msg.lease in session.leases:  # only the client that holds a lease may end it
-            session.leases.discard(msg.lease)
-            with self._lock:
-                self._slots.end_lease(msg.lease)
-
-    def _session_closed(self, session: Session) -> None:
-        with self._lock:
-            for lease in session.leases:
-                self._slots.end_lease(lease)
 
     # ------------------------------------------------------------------ consumer
 
@@ -124,35 +98,12 @@ class ShmConnector(ServedPoolConnector):
                 f"{peer.host_id}, here {self._host_id}); shm only works on one host, use tcp"
             )
 
-    def _pull(
-        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
-        asked = time.monotonic()
-        link.channel.send(LocateRequest.of(keys), deadline=deadline)
-        reply = expect(link.channel.recv(deadline), LocateReply)
-        if len(reply.rows) != len(keys):
-            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
-        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
-        rows = [row for row in reply.rows if row is not None]
-        if not rows:
-            return [MISSING] * len(keys), 0
-        try:
-            if reply.block_nbytes != self.copier.block_nbytes:
-                raise TransferError(
-                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
-                )
-            source = self._mapping(link, reply)
-            self.copier.copy_in(blocks, source.pool, rows)
-        finally:
-            # A courtesy: a producer that is gone (or drops this connection) ends the
-            # lease itself; the copy's bytes stand or fall with the lease check below.
-            with contextlib.suppress(TransferError):
-                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
-        if time.monotonic() - asked >= reply.lease_s:
-            late = failed(f"copy outlasted the producer's {reply.lease_s} s lease; bytes unsure")
-            return [late if row is not None else MISSING for row in reply.rows], 0
-        outcomes = [OK if row is not None else MISSING for row in reply.rows]
-        return outcomes, len(rows) * self.copier.block_nbytes
+    def _move(
+        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
+    ) -> None:
+        assert isinstance(reply, LocateReply)
+        source = self._mapping(link, reply)
+        self.copier.copy_in(blocks, source.pool, rows)
 
     def _mapping(self, link: Link, reply: LocateReply) -> MappedSegment:
         """The peer's segment, mapped once and reused while the peer keeps it."""

@@ -1,0 +1,136 @@
+"""What ``shm``, ``nixl`` and ``mooncake`` share: pull by locating, pinning, then moving.
+
+The consumer asks the producer to *locate* the keys; the producer pins the
+slots that hold them under a lease and answers where they are (a shared
+segment, a NIXL agent, a Transfer Engine port). The consumer moves the bytes
+itself, straight from the pool into its own blocks, then ends the lease. Only
+the reply's transport-specific fields and the move differ per backend; the
+pinning, the checks on the reply and the lease rules are here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import abstractmethod
+from typing import ClassVar, Protocol
+
+from pydantic import Field
+
+from kvmux.errors import TransferError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.net.client import Link
+from kvmux.net.messages import LocateRequest, Message, Unpin, expect
+from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
+from kvmux.net.server import Handler, Session
+
+
+class PinReply(Protocol):
+    """The fields every locate reply carries, whatever the transport adds."""
+
+    lease: int
+    lease_s: float
+    block_nbytes: int
+    rows: list[int | None]
+
+
+class PinnedPoolConfig(ServedPoolConfig):
+    lease_s: float = Field(
+        30.0, gt=0, description="longest a consumer's pin holds slots without being ended"
+    )
+
+
+class PinnedPoolConnector(ServedPoolConnector):
+    config: PinnedPoolConfig
+    reply_type: ClassVar[type[Message]]
+    """The backend's locate reply message."""
+    move_ends_lease: ClassVar[bool] = False
+    """True when a successful move ends the lease by itself (a NIXL notification)."""
+
+    # ------------------------------------------------------------------ producer
+
+    def _handlers(self) -> dict[type[Message], Handler]:
+        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
+
+    def _serving(self) -> bool:
+        """Whether the pool is there to be read (caller holds the lock)."""
+        return self._pool is not None
+
+    def _serve_locate(self, session: Session, req: LocateRequest) -> None:
+        if self._layout_refused(session):
+            return
+        keys = list(req.block_keys())
+        with self._lock:
+            serving = self._serving()
+            rows = [self._slots.find(key) if serving else None for key in keys]
+            found = [row for row in rows if row is not None]
+            lease = self._pin(found, session) if found else 0
+            slots = self._slots.slots
+        block_nbytes = self.copier.block_nbytes if serving else 0
+        session.send(self._locate_reply(lease, slots, block_nbytes, rows))
+
+    def _pin(self, rows: list[int], session: Session) -> int:
+        """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds the lock."""
+        lease = self._slots.lease(rows, time.monotonic() + self.config.lease_s)
+        session.leases.add(lease)
+        return lease
+
+    @abstractmethod
+    def _locate_reply(
+        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
+    ) -> Message:
+        """The reply: the common fields plus where this transport finds the pool."""
+
+    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
+        if msg.lease in session.leases:  # only the client that holds a lease may end it
+            session.leases.discard(msg.lease)
+            with self._lock:
+                self._slots.end_lease(msg.lease)
+
+    def _session_closed(self, session: Session) -> None:
+        with self._lock:
+            for lease in session.leases:
+                self._slots.end_lease(lease)
+
+    # ------------------------------------------------------------------ consumer
+
+    def _pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> tuple[list[Outcome], int]:
+        asked = time.monotonic()
+        link.channel.send(LocateRequest.of(keys), deadline=deadline)
+        reply: PinReply = expect(link.channel.recv(deadline), self.reply_type)  # type: ignore[assignment]
+        if len(reply.rows) != len(keys):
+            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
+        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
+        rows = [row for row in reply.rows if row is not None]
+        if not rows:
+            return [MISSING] * len(keys), 0
+        moved = False
+        try:
+            if reply.block_nbytes != self.copier.block_nbytes:
+                raise TransferError(
+                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
+                )
+            self._move(link, reply, blocks, rows, min(deadline, asked + reply.lease_s))
+            moved = True
+        finally:
+            # A courtesy: a producer that is gone (or drops this connection) ends the
+            # lease itself; the bytes stand or fall with the lease check below.
+            if not (moved and self.move_ends_lease):
+                with contextlib.suppress(TransferError):
+                    link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
+        if time.monotonic() - asked >= reply.lease_s:
+            late = failed(
+                f"the move outlasted the producer's {reply.lease_s} s lease; bytes unsure"
+            )
+            return [late if row is not None else MISSING for row in reply.rows], 0
+        outcomes = [OK if row is not None else MISSING for row in reply.rows]
+        return outcomes, len(rows) * self.copier.block_nbytes
+
+    @abstractmethod
+    def _move(
+        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
+    ) -> None:
+        """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
