@@ -7,6 +7,7 @@ loaded wrongly, too late or not at all fails the test where it happens.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -146,6 +147,7 @@ class _HoldSaves(ConnectorWrapper):
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
+        self.capabilities = dataclasses.replace(inner.capabilities, zero_copy=True)
         self.pending: list[tuple[list[BlockKey], Future[TransferResult]]] = []
 
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:

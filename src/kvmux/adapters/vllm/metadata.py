@@ -22,6 +22,9 @@ class BlockTransfer:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     source: dict[str, Any] | None = None
+    publish: bool = False
+    """The save that completes a P/D prefill: vLLM returns the request's params right
+    after this step, so every save of the request must have ended by then."""
 
 
 @dataclass

@@ -230,6 +230,7 @@ class SchedulerSide:
         full = min(computed, limit) // self.block_size
         start = max(tracked.saved, tracked.local_hit)
         todo: list[tuple[int, BlockKey]] = []
+        publish = False
         if full > start:
             keys = tracked.keys.full(request.all_token_ids, full)
             todo = [(i, keys[i]) for i in range(start, full)]
@@ -240,7 +241,7 @@ class SchedulerSide:
             todo += [(i, prompt[i]) for i in range(tracked.local_hit)]
             if n % self.block_size:
                 todo.append((len(prompt) - 1, prompt[-1]))  # the partial last block
-            tracked.published = True
+            tracked.published = publish = True
         if not todo:
             return
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
@@ -249,6 +250,7 @@ class SchedulerSide:
                 request.request_id,
                 tuple(key for _, key in todo),
                 tuple(block_ids[i] for i, _ in todo),
+                publish=publish,
             )
         )
         tracked.saves_planned += 1

@@ -117,10 +117,24 @@ class WorkerSide:
             saves = self._saves.setdefault(transfer.req_id, _Saves())
             saves.handles.append(self.connector.save(keys, transfer.block_ids))
             saves.keys.extend(keys)
+            if transfer.publish:
+                self._wait_published(saves)
         now = time.monotonic()
         for req_id in meta.delay_freed:
             self._delay_freed.add(req_id)
             self._saves.setdefault(req_id, _Saves()).lease_ends = now + self.options.lease_s
+
+    def _wait_published(self, saves: _Saves) -> None:
+        """vLLM hands the request's params to the decode side right after this step, so
+        every save of the request must have ended: a decode may ask for the blocks at once.
+
+        Not for a zero-copy backend: its saves publish the blocks at once and end only
+        when a consumer has read them, which no consumer can do before it has the params.
+        """
+        if self.connector.capabilities.zero_copy:
+            return
+        for handle in saves.handles:
+            handle.wait(self.connector.config.timeout_s)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed blocks vLLM may free, requests whose loads ended)."""
