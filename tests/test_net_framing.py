@@ -25,10 +25,12 @@ from kvmux.net.messages import (
     Hello,
     Join,
     LocateReply,
+    LocateRequest,
     LookupReply,
     LookupRequest,
     TensorHeader,
     key_batches,
+    pack_rows,
 )
 from kvmux.slots import PinnedSlots
 
@@ -80,6 +82,17 @@ def test_keys_cross_the_wire_as_block_keys(pair: tuple[Channel, Channel]) -> Non
     assert isinstance(msg, FetchRequest) and list(msg.block_keys()) == keys(3)
 
 
+def test_keys_of_several_namespaces_and_digest_sizes_cross_in_order(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    mixed = [*keys(2), BlockKey(b"\x01", "other"), BlockKey(b"\x02" * 40, "other"), *keys(3)]
+    left.send(LocateRequest.of(mixed), deadline=soon())
+    msg = right.recv(soon())
+    assert isinstance(msg, LocateRequest) and msg.block_keys() == mixed
+    assert [count for _, _, count in msg.runs] == [2, 1, 1, 3]
+
+
 def test_garbage_is_a_protocol_error(pair: tuple[Channel, Channel]) -> None:
     left, right = pair
     left.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -115,9 +128,32 @@ def test_an_oversized_payload_is_refused_before_it_is_read(
         b'{"kind": "lookup_reply", "count": 1, "extra": true}',
         b'{"kind": "lookup_reply", "count": -1}',
         b'{"kind": "lookup", "keys": ["ns:zz"]}',
-        b'{"kind": "lookup", "keys": []}',
+        b'{"kind": "lookup", "runs": [], "digests": ""}',
+        b'{"kind": "lookup", "runs": [["ns", 2, 2]], "digests": "AAEC"}',
+        b'{"kind": "lookup", "runs": [["ns", 1, 1]], "digests": "A!=="}',
+        b'{"kind": "lookup", "runs": [["ns", 0, 1]], "digests": ""}',
+        b'{"kind": "lookup", "runs": [["ns", 1, 4097]], "digests": ""}',
+        b'{"kind": "lookup", "runs": [["a\\nb", 1, 1]], "digests": "AA=="}',
+        b'{"kind": "fetch_reply", "found": "AAI=", "block_nbytes": 8}',
+        b'{"kind": "nixl_locate_reply", "lease": 1, "lease_s": 1.0, "agent": '
+        b'"kvmux-1-0123456789abcdef", "metadata": null, "base": 0, "slots": 4, '
+        b'"block_nbytes": 8, "rows": "AAAA"}',
     ],
-    ids=["not-json", "unknown-kind", "extra-field", "negative", "bad-key", "no-keys"],
+    ids=[
+        "not-json",
+        "unknown-kind",
+        "extra-field",
+        "negative",
+        "old-key-list",
+        "no-keys",
+        "digests-short",
+        "not-base64",
+        "empty-digest",
+        "too-many-keys",
+        "newline-namespace",
+        "found-not-a-flag",
+        "rows-not-int32s",
+    ],
 )
 def test_a_header_that_does_not_validate_is_a_protocol_error(
     pair: tuple[Channel, Channel], header: bytes
@@ -175,8 +211,11 @@ def test_a_header_larger_than_the_senders_limit_is_not_sent(
 # ------------------------------------------------------------------ messages
 
 
-def test_key_batches_fit_the_header_budget() -> None:
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-run", "a-run-per-key"])
+def test_key_batches_fit_the_header_budget(mixed: bool) -> None:
     many = keys(9000)
+    if mixed:  # the worst case: every key starts a run of its own
+        many = [BlockKey(k.digest, f"ns{i % 2}" * 20) for i, k in enumerate(many)]
     batches = list(key_batches(many, 64 * 1024))
     assert [k for b in batches for k in many[b.start : b.stop]] == many
     for batch in batches:
@@ -194,7 +233,7 @@ def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> No
             offset=4096,
             slots=4,
             block_nbytes=8,
-            rows=[0],
+            rows=pack_rows([0]),
         )
 
     for name in ["../../etc/passwd", "kvmux-1-../x", "/dev/shm/kvmux-1-0123456789abcdef"]:
@@ -203,7 +242,8 @@ def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> No
     assert reply("kvmux-1-0123456789abcdef").segment
 
 
-def test_locate_rows_must_lie_inside_the_pool() -> None:
+@pytest.mark.parametrize("row", [4, -2])
+def test_locate_rows_must_lie_inside_the_pool(row: int) -> None:
     with pytest.raises(ValidationError, match="outside the pool"):
         LocateReply(
             lease=1,
@@ -213,8 +253,26 @@ def test_locate_rows_must_lie_inside_the_pool() -> None:
             offset=4096,
             slots=4,
             block_nbytes=8,
-            rows=[4],
+            rows=struct.pack("<i", row),
         )
+
+
+def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    reply = LocateReply(
+        lease=1,
+        lease_s=1.0,
+        segment="kvmux-1-0123456789abcdef",
+        token="0" * 32,
+        offset=4096,
+        slots=4,
+        block_nbytes=8,
+        rows=pack_rows([3, None, 0]),
+    )
+    left.send(reply, deadline=soon())
+    got = right.recv(soon())
+    assert got == reply and isinstance(got, LocateReply)
+    assert got.row_array().tolist() == [3, -1, 0]
 
 
 def test_a_tensor_header_must_agree_with_its_shape_and_dtype() -> None:

@@ -287,8 +287,8 @@ class MisbehavingProducer:
             chan, service="tcp", layout=self.fingerprint, secret=None, deadline=deadline
         )
         req = expect(chan.recv(deadline), FetchRequest)
-        n = len(req.keys)
-        chan.send(FetchReply(found=[True] * n, block_nbytes=self.nbytes), deadline=deadline)
+        n = len(req.block_keys())
+        chan.send(FetchReply(found=b"\1" * n, block_nbytes=self.nbytes), deadline=deadline)
         header = PEER_PROTOCOL.dump_json(Blocks(first=0, count=n, nbytes=n * self.nbytes))
         body = self.payload[: self.whole].numpy().tobytes() + b"\0" * (self.nbytes // 2)
         sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header + body)

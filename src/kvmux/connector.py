@@ -114,6 +114,42 @@ class Connector(ABC):
         handle.add_done_callback(lambda r: self._stats.record("load", r))
         return handle
 
+    def _transfer_prechecked(
+        self,
+        op: str,
+        keys: Sequence[BlockKey],
+        block_ids: Sequence[int],
+        source: Address | None = None,
+    ) -> Handle:
+        """``save`` (``op="save"``) or ``load`` (``op="load"``) for a composite
+        connector (``multi``, ``checksum``) passing on a request its own public
+        method has already checked, against a layout with this connector's
+        blocks: the per-key argument checks are not repeated, the caller vouches
+        for them (``BlockKey`` keys, no key or block id twice, ids in range).
+        The rest is the public method's: it raises where that would (closed,
+        unregistered, unpaired lists, the backend raising; the caller turns this
+        into per-key failures, as for the public methods) and the transfer counts
+        in this connector's ``stats()``. A subclass that overrides the public
+        method gets it called instead. Internal: not part of the public API."""
+        if op not in ("save", "load"):
+            raise ValueError(f"op must be 'save' or 'load', not {op!r}")
+        if op == "save" and type(self).save is not Connector.save:
+            return self.save(keys, block_ids)
+        if op == "load" and type(self).load is not Connector.load:
+            return self.load(keys, block_ids, source)
+        self._check_open()
+        if len(keys) != len(block_ids):
+            raise InvalidRequestError(
+                f"{len(keys)} keys but {len(block_ids)} block ids: they must pair up"
+            )
+        _ = self.copier  # NotRegisteredError before any work, like the public methods
+        if op == "save":
+            handle = self._save(list(keys), list(block_ids))
+        else:
+            handle = self._load(list(keys), list(block_ids), source)
+        handle.add_done_callback(lambda r: self._stats.record(op, r))
+        return handle
+
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Tell the connector these keys are no longer needed (frees pins and leases)."""
         self._check_open()
@@ -228,8 +264,20 @@ class Connector(ABC):
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         num_blocks = self.copier.num_blocks
-        bad = [b for b in block_ids if not 0 <= int(b) < num_blocks]
+        bad = _out_of_range(block_ids, num_blocks)
         if bad:
             raise InvalidRequestError(f"block ids out of range [0, {num_blocks}): {bad[:5]}")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequestError("a block id appears twice in one call")
+
+
+def _out_of_range(block_ids: Sequence[int], num_blocks: int) -> list[int]:
+    """The block ids outside ``[0, num_blocks)``. ``min``/``max`` clear the usual
+    in-range batch at C speed (thousands of ids per call); only a batch they
+    cannot clear (or cannot compare) is walked id by id."""
+    try:
+        if len(block_ids) == 0 or (min(block_ids) >= 0 and max(block_ids) < num_blocks):
+            return []
+    except TypeError:
+        pass
+    return [b for b in block_ids if not 0 <= int(b) < num_blocks]

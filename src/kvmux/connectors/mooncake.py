@@ -38,9 +38,9 @@ from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link
-from kvmux.net.messages import Message, MooncakeLocateReply
+from kvmux.net.messages import MooncakeLocateReply
 from kvmux.net.mooncake_engine import MooncakeEngine
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 
 
 class MooncakeConfig(PinnedPoolConfig):
@@ -112,9 +112,7 @@ class MooncakeConnector(PinnedPoolConnector):
                 pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg))
         self._pieces = pieces
 
-    def _runs(
-        self, blocks: list[int], rows: list[int], base: int
-    ) -> tuple[list[int], list[int], list[int]]:
+    def _runs(self, blocks: Rows, rows: Rows, base: int) -> tuple[list[int], list[int], list[int]]:
         """(local, remote, length) of one batch READ: every piece of every block, runs
         contiguous on both sides merged into one range (fewer TE requests)."""
         b = np.asarray(blocks, dtype=np.uint64)
@@ -139,9 +137,7 @@ class MooncakeConnector(PinnedPoolConnector):
 
     # ---------------------------------------------------------------- producer
 
-    def _locate_reply(
-        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
-    ) -> Message:
+    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return MooncakeLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
@@ -154,9 +150,7 @@ class MooncakeConnector(PinnedPoolConnector):
 
     # ---------------------------------------------------------------- consumer
 
-    def _move(
-        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
-    ) -> None:
+    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, MooncakeLocateReply)
         local, remote, lengths = self._runs(blocks, rows, reply.base)
         self._engine.read(

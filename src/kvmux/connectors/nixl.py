@@ -39,9 +39,9 @@ from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link
-from kvmux.net.messages import Message, NixlLocateReply, Unpin
+from kvmux.net.messages import NixlLocateReply, Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 from kvmux.net.served_pool import PeerAddress
 from kvmux.net.server import Session
 
@@ -135,7 +135,7 @@ class NixlConnector(PinnedPoolConnector):
                 pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg, device))
         self._pieces = pieces
 
-    def _descs(self, blocks: list[int], rows: list[int], base: int) -> tuple[Descs, Descs]:
+    def _descs(self, blocks: Rows, rows: Rows, base: int) -> tuple[Descs, Descs]:
         """Local and remote descriptor lists of one READ: every piece of every block,
         runs contiguous on both sides merged into one descriptor."""
         b = np.asarray(blocks, dtype=np.uint64)
@@ -171,9 +171,7 @@ class NixlConnector(PinnedPoolConnector):
         self._agent.hold()
         return token
 
-    def _locate_reply(
-        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
-    ) -> Message:
+    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return NixlLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
@@ -218,9 +216,7 @@ class NixlConnector(PinnedPoolConnector):
 
     # ---------------------------------------------------------------- consumer
 
-    def _move(
-        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
-    ) -> None:
+    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, NixlLocateReply)
         remote = self._remote_agent(link.endpoint, reply)
         local, remote_descs = self._descs(blocks, rows, reply.base)

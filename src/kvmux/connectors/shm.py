@@ -26,8 +26,8 @@ from pydantic import Field
 
 from kvmux.errors import TransferError
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateReply, Message
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply
+from kvmux.net.messages import LocateReply
+from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
 from kvmux.net.served_pool import PeerAddress
 
@@ -74,9 +74,7 @@ class ShmConnector(PinnedPoolConnector):
     def _serving(self) -> bool:
         return self._segment is not None and self._pool is not None
 
-    def _locate_reply(
-        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
-    ) -> Message:
+    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         segment = self._segment
         return LocateReply(
             lease=lease,
@@ -98,12 +96,10 @@ class ShmConnector(PinnedPoolConnector):
                 f"{peer.host_id}, here {self._host_id}); shm only works on one host, use tcp"
             )
 
-    def _move(
-        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
-    ) -> None:
+    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, LocateReply)
         source = self._mapping(link, reply)
-        self.copier.copy_in(blocks, source.pool, rows)
+        self.copier.copy_in(blocks.tolist(), source.pool, rows.tolist())
 
     def _mapping(self, link: Link, reply: LocateReply) -> MappedSegment:
         """The peer's segment, mapped once and reused while the peer keeps it."""

@@ -75,7 +75,7 @@ class TcpConnector(ServedPoolConnector):
         deadline = time.monotonic() + self.config.timeout_s
         if self._layout_refused(session):
             return
-        keys = list(req.block_keys())
+        keys = req.block_keys()
         with self._lock:
             pool = self._pool_bytes if self._pool is not None else None
             slots = [self._slots.find(key) if pool is not None else None for key in keys]
@@ -83,7 +83,7 @@ class TcpConnector(ServedPoolConnector):
             self._slots.pin(found)
         try:
             nbytes = self.copier.block_nbytes if pool is not None else 0
-            hits = [slot is not None for slot in slots]
+            hits = bytes([slot is not None for slot in slots])
             session.send(FetchReply(found=hits, block_nbytes=nbytes), deadline=deadline)
             if pool is None:
                 return
@@ -199,7 +199,7 @@ def _rows(pool: memoryview, slots: list[int], nbytes: int) -> list[memoryview]:
     return views
 
 
-def _outcomes(found: list[bool], arrived: int, reason: str) -> list[Outcome]:
+def _outcomes(found: bytes, arrived: int, reason: str) -> list[Outcome]:
     """OK for the first ``arrived`` found keys, failed for the found rest, else MISSING."""
     outcomes: list[Outcome] = []
     seen = 0

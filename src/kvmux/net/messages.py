@@ -23,9 +23,14 @@ way, then ``tensor`` / ``no_tensor`` frames in both directions.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
+from itertools import groupby
+from operator import itemgetter
 from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -39,7 +44,10 @@ from kvmux.errors import LayoutError, ProtocolError, TransferError
 from kvmux.keys import BlockKey
 from kvmux.layout import torch_dtype
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""Of the pool conversation (hello/join). 2: keys travel as digests in runs, rows
+and found flags as packed bytes; a version-1 peer is refused at the handshake."""
+PIPE_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_REQUEST = 4096
 """Keys in one lookup/fetch/locate; larger calls are split by the client."""
 MAX_KEY_ID_CHARS = 512
@@ -48,12 +56,13 @@ HEADER_SLACK = 8192
 payload (a header with its alignment padding is under a page and a half)."""
 
 
-KeyId = Annotated[
-    str, StringConstraints(max_length=MAX_KEY_ID_CHARS, pattern=r"^.*:(?:[0-9a-f]{2})+$")
+Namespace = Annotated[str, StringConstraints(max_length=MAX_KEY_ID_CHARS, pattern=r"^[^\n]*$")]
+KeyRun = tuple[
+    Namespace,
+    Annotated[int, Field(ge=1, le=MAX_KEY_ID_CHARS // 2)],
+    Annotated[int, Field(ge=1, le=MAX_KEYS_PER_REQUEST)],
 ]
-"""``BlockKey.id`` on the wire: validated in pydantic's core, so ``BlockKey.from_id``
-never fails on it, and ten thousand keys cost no Python call each."""
-KeyList = Annotated[list[KeyId], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+"""(namespace, digest bytes, keys): consecutive keys of a request that share both."""
 Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Fingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,128}$")]
@@ -83,7 +92,7 @@ class Hello(Message):
     """The server's first words: who it is and a fresh nonce to authenticate against."""
 
     kind: Literal["hello"] = "hello"
-    version: Literal[1] = PROTOCOL_VERSION
+    version: Literal[2] = PROTOCOL_VERSION
     service: Service
     nonce: Hex16
     layout: Fingerprint | None
@@ -95,7 +104,7 @@ class Join(Message):
     """The client's answer: its layout, limits, its own nonce and its proof of the secret."""
 
     kind: Literal["join"] = "join"
-    version: Literal[1] = PROTOCOL_VERSION
+    version: Literal[2] = PROTOCOL_VERSION
     service: Service
     nonce: Hex16
     mac: Mac | None
@@ -131,15 +140,51 @@ class Error(Message):
 
 
 class _KeysRequest(Message):
-    keys: KeyList
+    """A batch of keys, compact: ``runs`` of (namespace, digest length, count) in
+    order, and every key's digest back to back in ``digests`` (base64 in JSON).
+
+    Four thousand keys as ``namespace:hex`` strings made a 300 KB header that
+    cost its producer a Python parse per key (12 ms a batch, on the path of
+    every load); as one byte string they cost a base64 decode, and the checks
+    below are over the batch, not per key. A batch is one run in practice
+    (one namespace, one digest size)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    runs: Annotated[list[KeyRun], Field(min_length=1, max_length=MAX_KEYS_PER_REQUEST)]
+    digests: bytes
+
+    @model_validator(mode="after")
+    def _digests_fill_the_runs(self) -> Self:
+        if sum(count for _, _, count in self.runs) > MAX_KEYS_PER_REQUEST:
+            raise ValueError(f"more than {MAX_KEYS_PER_REQUEST} keys in one request")
+        if len(self.digests) != sum(size * count for _, size, count in self.runs):
+            raise ValueError("the digests do not add up to the runs' keys")
+        if any(len(ns) + 1 + 2 * size > MAX_KEY_ID_CHARS for ns, size, _ in self.runs):
+            raise ValueError(f"a key's id would be over {MAX_KEY_ID_CHARS} characters")
+        return self
 
     @classmethod
     def of(cls, keys: Sequence[BlockKey]) -> Self:
-        return cls(keys=[key.id for key in keys])
+        digests = list(map(itemgetter(0), keys))
+        return cls(runs=_key_runs(keys, digests), digests=b"".join(digests))
 
-    def block_keys(self) -> Iterator[BlockKey]:
-        """The keys, parsed one by one as iterated (a lookup stops at its first miss)."""
-        return map(BlockKey.from_id, self.keys)
+    def block_keys(self) -> list[BlockKey]:
+        """The keys, in request order. Built unchecked: the validators above have
+        checked every field ``BlockKey`` would (non-empty bytes, a str)."""
+        keys: list[BlockKey] = []
+        blob, at = memoryview(self.digests), 0
+        for ns, size, count in self.runs:
+            end = at + size * count
+            keys.extend(BlockKey.unchecked_batch(blob[at:end], size, ns))
+            at = end
+        return keys
+
+
+def _key_runs(keys: Sequence[BlockKey], digests: list[bytes]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive keys sharing a namespace and a digest size (C-level grouping)."""
+    same = groupby(zip(map(itemgetter(1), keys), map(len, digests), strict=True))
+    return [(ns, size, len(list(run))) for (ns, size), run in same]
 
 
 class LookupRequest(_KeysRequest):
@@ -160,12 +205,23 @@ class FetchRequest(_KeysRequest):
 
 
 class FetchReply(Message):
-    """Which requested keys will follow, in request order; missing ones send nothing."""
+    """Which requested keys will follow, in request order; missing ones send nothing.
+
+    ``found`` is one byte per requested key, 1 (follows) or 0 (missing), base64 in
+    JSON: checked as one string, not as thousands of JSON booleans."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
 
     kind: Literal["fetch_reply"] = "fetch_reply"
-    found: Annotated[list[bool], Field(max_length=MAX_KEYS_PER_REQUEST)]
+    found: Annotated[bytes, Field(max_length=MAX_KEYS_PER_REQUEST)]
     block_nbytes: Count
     """0 from a producer that has registered no KV memory (then nothing is found)."""
+
+    @model_validator(mode="after")
+    def _flags(self) -> Self:
+        if self.found.translate(None, b"\0\1"):
+            raise ValueError("found flags must be 0 or 1")
+        return self
 
 
 class Blocks(Message):
@@ -187,28 +243,55 @@ class LocateRequest(_KeysRequest):
     kind: Literal["locate"] = "locate"
 
 
-class LocateReply(Message):
+class PinReply(Message):
+    """What every locate reply carries, whatever the transport adds: the lease that
+    pins the found slots, and per requested key its ``rows`` entry.
+
+    ``rows`` holds one little-endian int32 per requested key (base64 in JSON): the
+    pool row that holds it, or -1 if missing. As a JSON list, the ints of a
+    4096-key batch were 20 KB to build, encode and validate one by one; as bytes
+    they are checked at once (:meth:`row_array`) and never leave numpy."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    lease: Count
+    lease_s: Annotated[float, Field(gt=0)]
+    slots: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    block_nbytes: Count
+    rows: Annotated[bytes, Field(max_length=4 * MAX_KEYS_PER_REQUEST)]
+
+    @model_validator(mode="after")
+    def _rows_in_pool(self) -> Self:
+        if len(self.rows) % 4:
+            raise ValueError("rows are not whole int32s")
+        rows = self.row_array()
+        if rows.size and (rows.min() < -1 or rows.max() >= self.slots):
+            raise ValueError(f"a row is outside the pool of {self.slots} slots")
+        return self
+
+    def row_array(self) -> npt.NDArray[np.int32]:
+        """``rows`` as int32 (-1: missing); a read-only view, not a copy."""
+        return np.frombuffer(self.rows, dtype="<i4")
+
+
+def pack_rows(rows: Sequence[int | None]) -> bytes:
+    """A producer's found rows (None: missing) as :attr:`PinReply.rows`."""
+    return np.array([-1 if row is None else row for row in rows], dtype="<i4").tobytes()
+
+
+class LocateReply(PinReply):
     """Where the pinned blocks are: row ``rows[i]`` of the pool at ``offset`` in
-    ``segment`` (None: missing). The pin lasts ``lease_s`` or until ``unpin``.
+    ``segment`` (-1: missing). The pin lasts ``lease_s`` or until ``unpin``.
     ``segment`` and ``token`` are None only from a producer with no pool yet."""
 
     kind: Literal["locate_reply"] = "locate_reply"
-    lease: Count
-    lease_s: Annotated[float, Field(gt=0)]
     segment: SegmentName | None
     token: Hex16 | None
     offset: Count
-    slots: Count
-    block_nbytes: Count
-    rows: Annotated[list[Count | None], Field(max_length=MAX_KEYS_PER_REQUEST)]
 
     @model_validator(mode="after")
-    def _rows_in_pool(self) -> LocateReply:
-        if any(row is not None and row >= self.slots for row in self.rows):
-            raise ValueError(f"a row is outside the pool of {self.slots} slots")
-        if any(row is not None for row in self.rows) and (
-            self.segment is None or self.token is None
-        ):
+    def _segment_if_found(self) -> Self:
+        if (self.row_array() >= 0).any() and (self.segment is None or self.token is None):
             raise ValueError("rows without a segment to read them from")
         return self
 
@@ -221,51 +304,29 @@ AgentMetadata = Annotated[
 """A NIXL agent's metadata blob, base64: opaque bytes NIXL itself parses."""
 
 
-class NixlLocateReply(Message):
+class NixlLocateReply(PinReply):
     """Where the pinned blocks are in the producer's NIXL-registered pool: row
-    ``rows[i]`` (None: missing) of ``slots`` rows of ``block_nbytes`` at address
+    ``rows[i]`` (-1: missing) of ``slots`` rows of ``block_nbytes`` at address
     ``base``. ``metadata`` (base64, for ``add_remote_agent``) comes with the first
     reply on a connection; later replies send only the agent's name. The pin
     lasts ``lease_s`` or until the consumer's notification (or ``unpin``)."""
 
     kind: Literal["nixl_locate_reply"] = "nixl_locate_reply"
-    lease: Count
-    lease_s: Annotated[float, Field(gt=0)]
     agent: AgentName
     metadata: AgentMetadata | None
     base: Count
-    slots: Count
-    block_nbytes: Count
-    rows: Annotated[list[Count | None], Field(max_length=MAX_KEYS_PER_REQUEST)]
-
-    @model_validator(mode="after")
-    def _rows_in_pool(self) -> NixlLocateReply:
-        if any(row is not None and row >= self.slots for row in self.rows):
-            raise ValueError(f"a row is outside the pool of {self.slots} slots")
-        return self
 
 
-class MooncakeLocateReply(Message):
+class MooncakeLocateReply(PinReply):
     """Where the pinned blocks are in the producer's Transfer-Engine-registered pool:
-    row ``rows[i]`` (None: missing) of ``slots`` rows of ``block_nbytes`` at address
+    row ``rows[i]`` (-1: missing) of ``slots`` rows of ``block_nbytes`` at address
     ``base``, readable through the engine whose RPC port is ``te_port`` on the host
     the client already reached (never a host the server names: a server cannot
     point a client at a third machine). The pin lasts ``lease_s`` or until ``unpin``."""
 
     kind: Literal["mooncake_locate_reply"] = "mooncake_locate_reply"
-    lease: Count
-    lease_s: Annotated[float, Field(gt=0)]
     te_port: Annotated[int, Field(ge=1, le=65535)]
     base: Count
-    slots: Count
-    block_nbytes: Count
-    rows: Annotated[list[Count | None], Field(max_length=MAX_KEYS_PER_REQUEST)]
-
-    @model_validator(mode="after")
-    def _rows_in_pool(self) -> MooncakeLocateReply:
-        if any(row is not None and row >= self.slots for row in self.rows):
-            raise ValueError(f"a row is outside the pool of {self.slots} slots")
-        return self
 
 
 class Unpin(Message):
@@ -280,7 +341,7 @@ class Unpin(Message):
 
 class PipeHello(Message):
     kind: Literal["pipe_hello"] = "pipe_hello"
-    version: Literal[1] = PROTOCOL_VERSION
+    version: Literal[1] = PIPE_PROTOCOL_VERSION
 
 
 class TensorHeader(Message):
@@ -359,7 +420,12 @@ def key_batches(keys: Sequence[BlockKey], max_header_bytes: int) -> Iterator[ran
     """Index ranges of ``keys`` whose requests fit ``max_header_bytes`` and the key limit."""
     if not keys:
         return
-    per_key = max(len(key.id) for key in keys) + 3  # quotes and a comma
+    sizes = list(map(len, map(itemgetter(0), keys)))  # digest sizes, at C speed
+    namespaces = set(map(itemgetter(1), keys))
+    per_key = 4 * -(-max(sizes) // 3)  # its digest in base64, rounded up
+    if len(namespaces) > 1 or min(sizes) != max(sizes):
+        # the worst case, a run of its own per key: '["namespace",255,4096],'
+        per_key += max(len(json.dumps(ns)) for ns in namespaces) + 16
     size = max(1, min(MAX_KEYS_PER_REQUEST, (max_header_bytes - HEADER_SLACK) // per_key))
     for start in range(0, len(keys), size):
         yield range(start, min(start + size, len(keys)))

@@ -13,26 +13,24 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import abstractmethod
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import Field
 
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateRequest, Message, Unpin, expect
+from kvmux.net.messages import LocateRequest, Message, PinReply, Unpin, expect, pack_rows
 from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
 from kvmux.net.server import Handler, Session
 
+__all__ = ["PinReply", "PinnedPoolConfig", "PinnedPoolConnector", "Rows"]
 
-class PinReply(Protocol):
-    """The fields every locate reply carries, whatever the transport adds."""
-
-    lease: int
-    lease_s: float
-    block_nbytes: int
-    rows: list[int | None]
+Rows = npt.NDArray[np.int64]
+"""Block ids or pool rows of one move, in step with each other."""
 
 
 class PinnedPoolConfig(ServedPoolConfig):
@@ -43,7 +41,7 @@ class PinnedPoolConfig(ServedPoolConfig):
 
 class PinnedPoolConnector(ServedPoolConnector):
     config: PinnedPoolConfig
-    reply_type: ClassVar[type[Message]]
+    reply_type: ClassVar[type[PinReply]]
     """The backend's locate reply message."""
     move_ends_lease: ClassVar[bool] = False
     """True when a successful move ends the lease by itself (a NIXL notification)."""
@@ -60,15 +58,16 @@ class PinnedPoolConnector(ServedPoolConnector):
     def _serve_locate(self, session: Session, req: LocateRequest) -> None:
         if self._layout_refused(session):
             return
-        keys = list(req.block_keys())
+        keys = req.block_keys()
         with self._lock:
             serving = self._serving()
-            rows = [self._slots.find(key) if serving else None for key in keys]
+            find = self._slots.find  # bound once: 4096 keys a request
+            rows = [find(key) for key in keys] if serving else [None] * len(keys)
             found = [row for row in rows if row is not None]
             lease = self._pin(found, session) if found else 0
             slots = self._slots.slots
         block_nbytes = self.copier.block_nbytes if serving else 0
-        session.send(self._locate_reply(lease, slots, block_nbytes, rows))
+        session.send(self._locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
 
     def _pin(self, rows: list[int], session: Session) -> int:
         """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds the lock."""
@@ -77,10 +76,9 @@ class PinnedPoolConnector(ServedPoolConnector):
         return lease
 
     @abstractmethod
-    def _locate_reply(
-        self, lease: int, slots: int, block_nbytes: int, rows: list[int | None]
-    ) -> Message:
-        """The reply: the common fields plus where this transport finds the pool."""
+    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+        """The reply: the common fields (``rows`` packed by ``pack_rows``) plus where
+        this transport finds the pool."""
 
     def _serve_unpin(self, session: Session, msg: Unpin) -> None:
         if msg.lease in session.leases:  # only the client that holds a lease may end it
@@ -100,13 +98,15 @@ class PinnedPoolConnector(ServedPoolConnector):
     ) -> tuple[list[Outcome], int]:
         asked = time.monotonic()
         link.channel.send(LocateRequest.of(keys), deadline=deadline)
-        reply: PinReply = expect(link.channel.recv(deadline), self.reply_type)  # type: ignore[assignment]
-        if len(reply.rows) != len(keys):
-            raise TransferError(f"locate reply for {len(reply.rows)} keys, asked {len(keys)}")
-        blocks = [b for b, row in zip(block_ids, reply.rows, strict=True) if row is not None]
-        rows = [row for row in reply.rows if row is not None]
-        if not rows:
+        reply = expect(link.channel.recv(deadline), self.reply_type)
+        all_rows = reply.row_array()  # validated on receipt: each -1 or inside the pool
+        if len(all_rows) != len(keys):
+            raise TransferError(f"locate reply for {len(all_rows)} keys, asked {len(keys)}")
+        hit = all_rows >= 0
+        rows = all_rows[hit].astype(np.int64)
+        if not rows.size:
             return [MISSING] * len(keys), 0
+        blocks = np.asarray(block_ids, dtype=np.int64)[hit]
         moved = False
         try:
             if reply.block_nbytes != self.copier.block_nbytes:
@@ -125,12 +125,16 @@ class PinnedPoolConnector(ServedPoolConnector):
             late = failed(
                 f"the move outlasted the producer's {reply.lease_s} s lease; bytes unsure"
             )
-            return [late if row is not None else MISSING for row in reply.rows], 0
-        outcomes = [OK if row is not None else MISSING for row in reply.rows]
-        return outcomes, len(rows) * self.copier.block_nbytes
+            return _outcomes(hit, late), 0
+        return _outcomes(hit, OK), len(rows) * self.copier.block_nbytes
 
     @abstractmethod
-    def _move(
-        self, link: Link, reply: PinReply, blocks: list[int], rows: list[int], until: float
-    ) -> None:
+    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
+
+
+def _outcomes(hit: npt.NDArray[np.bool_], found: Outcome) -> list[Outcome]:
+    """``found`` for each requested key the producer had, MISSING for the others."""
+    if hit.all():
+        return [found] * len(hit)
+    return [found if h else MISSING for h in hit.tolist()]

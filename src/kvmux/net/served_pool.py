@@ -233,7 +233,7 @@ class ServedPoolConnector(CpuPoolConnector):
         return True
 
     def _serve_lookup(self, session: Session, req: LookupRequest) -> None:
-        keys = list(req.block_keys())  # parsed before taking the lock saves wait on
+        keys = req.block_keys()  # parsed before taking the lock saves wait on
         with self._lock:
             count = self._slots.prefix(keys)
         session.send(LookupReply(count=count))
