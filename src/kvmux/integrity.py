@@ -151,7 +151,7 @@ class ChecksumConnector(Connector):
         def work() -> tuple[list[Outcome], int]:
             index = torch.tensor(block_ids, dtype=torch.long, device=trailers.device)
             trailers[index] = self._digests(block_ids).to(trailers.device)
-            result = self._await(self.inner.save(keys, block_ids))
+            result = self._await(self.inner._transfer_prechecked("save", keys, block_ids))
             return list(result.outcomes), result.nbytes
 
         return self._run(keys, work)
@@ -161,7 +161,7 @@ class ChecksumConnector(Connector):
         assert trailers is not None
 
         def work() -> tuple[list[Outcome], int]:
-            result = self._await(self.inner.load(keys, block_ids, source))
+            result = self._await(self.inner._transfer_prechecked("load", keys, block_ids, source))
             outcomes = list(result.outcomes)
             arrived = [j for j, o in enumerate(outcomes) if o.status is Status.OK]
             if not arrived:

@@ -20,7 +20,7 @@ from typing import Literal
 from kvmux.capabilities import Capabilities
 from kvmux.connector import Address, Connector
 from kvmux.errors import TransferTimeout
-from kvmux.handle import Handle, Outcome, Status, TransferResult, failed
+from kvmux.handle import OK, Handle, Outcome, Status, TransferResult, failed
 from kvmux.keys import BlockKey
 from kvmux.multi.breaker import BreakerConfig, CircuitBreaker
 
@@ -57,6 +57,14 @@ COUNTERS = (
 keys it delivered after an earlier child failed them; ``promotions``,
 ``demotions``, ``evictions``: keys moved into, moved into from above, and
 evicted from this tier (``tiered``)."""
+
+
+def plainly_ok(outcomes: Sequence[Outcome], n: int) -> bool:
+    """True if there are ``n`` outcomes and each is ``OK``, decided at C speed for
+    the usual :data:`~kvmux.handle.OK` singletons: a tuple comparison, which stops
+    at the first other outcome. False means "not that, or not plainly": callers
+    then look at each outcome, so this only ever spares them that walk."""
+    return tuple(outcomes) == (OK,) * n
 
 
 @dataclass
@@ -137,13 +145,20 @@ class Child:
         return found
 
     def start_save(self, keys: Sequence[BlockKey], ids: Sequence[int]) -> Attempt:
-        return self._start("save", keys, lambda: self.connector.save(keys, ids))
+        """Start saving; ``keys`` and ``ids`` must be valid for the child as they are
+        not checked again (see :meth:`Connector._transfer_prechecked`): a part of a
+        request the multi checked, or staging slots, never keys or ids repeated."""
+        connector = self.connector
+        return self._start("save", keys, lambda: connector._transfer_prechecked("save", keys, ids))
 
     def start_load(
         self, keys: Sequence[BlockKey], ids: Sequence[int], source: Address | None
     ) -> Attempt:
-        own = self._source(source)
-        return self._start("load", keys, lambda: self.connector.load(keys, ids, own))
+        """Start loading; the same promise about ``keys`` and ``ids`` as ``start_save``."""
+        own, connector = self._source(source), self.connector
+        return self._start(
+            "load", keys, lambda: connector._transfer_prechecked("load", keys, ids, own)
+        )
 
     def save(self, keys: Sequence[BlockKey], ids: Sequence[int], deadline: float) -> TransferResult:
         return self.start_save(keys, ids).finish(deadline)
@@ -200,7 +215,10 @@ class Child:
 
     def record(self, op: Operation, result: TransferResult) -> None:
         """Fold a finished transfer into the counters and the breaker."""
-        statuses = Counter(o.status for o in result.outcomes)
+        if plainly_ok(result.outcomes, len(result.outcomes)):
+            statuses = Counter({Status.OK: len(result.outcomes)})
+        else:
+            statuses = Counter(o.status for o in result.outcomes)
         with self._lock:
             counts = self._counts
             if op == "load":
@@ -230,7 +248,9 @@ class Child:
 
     def labelled(self, result: TransferResult) -> TransferResult:
         """``result`` with each failure's reason saying which child failed."""
-        if all(o.status is not Status.FAILED for o in result.outcomes):
+        if plainly_ok(result.outcomes, len(result.outcomes)) or all(
+            o.status is not Status.FAILED for o in result.outcomes
+        ):
             return result
         outcomes: tuple[Outcome, ...] = tuple(
             failed(f"{self.label}: {o.reason}") if o.status is Status.FAILED else o

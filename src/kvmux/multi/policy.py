@@ -33,7 +33,7 @@ from kvmux.errors import CapacityError, LayoutError
 from kvmux.handle import MISSING, OK, Outcome, Status, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
-from kvmux.multi.child import Child, LateHook
+from kvmux.multi.child import Child, LateHook, plainly_ok
 
 Problem = tuple[tuple[str | int, ...], str]
 """A config problem: where in the multi's config (``("children", 1)``) and what is wrong."""
@@ -188,7 +188,7 @@ def load_in_turn(
     n = len(keys)
     outcomes: list[Outcome] = [MISSING] * n
     delivered: list[int | None] = [None] * n
-    reasons: list[list[str]] = [[] for _ in range(n)]
+    reasons: dict[int, list[str]] = {}  # only keys some child failed (a miss is no reason)
     pending = list(range(n))
     nbytes = 0
     for child in children:
@@ -196,31 +196,49 @@ def load_in_turn(
             break
         if time.monotonic() >= deadline:
             for j in pending:
-                reasons[j].append(f"{child.label}: not tried, the multi's deadline passed")
+                why = f"{child.label}: not tried, the multi's deadline passed"
+                reasons.setdefault(j, []).append(why)
             break
+        whole = len(pending) == n  # pending is then range(n): the request as given
         result = child.load(
-            [keys[j] for j in pending],
-            [ids[j] for j in pending],
+            keys if whole else [keys[j] for j in pending],
+            ids if whole else [ids[j] for j in pending],
             source,
             deadline,
             on_late,
         )
         nbytes += result.nbytes
+        if plainly_ok(result.outcomes, len(pending)):  # the usual: it delivered them all
+            if whole:
+                outcomes, delivered = [OK] * n, [child.index] * n
+            else:
+                for j in pending:
+                    outcomes[j], delivered[j] = OK, child.index
+            _count_fallbacks(child, sum(j in reasons for j in pending) if reasons else 0)
+            pending = []
+            break
         still: list[int] = []
+        fallbacks = 0
         for j, outcome in zip(pending, result.outcomes, strict=True):
-            if outcome.ok:
+            status = outcome.status
+            if status is Status.OK:
                 outcomes[j], delivered[j] = OK, child.index
-                if reasons[j]:
-                    child.count("fallbacks")
+                fallbacks += j in reasons
                 continue
-            if outcome.status is Status.FAILED:
-                reasons[j].append(outcome.reason or f"{child.label}: failed")
+            if status is Status.FAILED:
+                reasons.setdefault(j, []).append(outcome.reason or f"{child.label}: failed")
             still.append(j)
+        _count_fallbacks(child, fallbacks)
         pending = still
     for j in pending:
-        if reasons[j]:
+        if j in reasons:
             outcomes[j] = failed("; ".join(reasons[j]))
     return Delivery(outcomes, nbytes, delivered)
+
+
+def _count_fallbacks(child: Child, n: int) -> None:
+    if n:
+        child.count("fallbacks", n)
 
 
 def save_to_all(
@@ -229,6 +247,9 @@ def save_to_all(
     """Save to every child at once; a key is ok once any child stored it."""
     attempts = [child.start_save(keys, ids) for child in children]
     results = [attempt.finish(deadline) for attempt in attempts]
+    nbytes = sum(result.nbytes for result in results)
+    if any(plainly_ok(result.outcomes, len(keys)) for result in results):
+        return [OK] * len(keys), nbytes  # the usual case: one child (at least) stored all
     outcomes: list[Outcome] = []
     for j in range(len(keys)):
         mine = [result.outcomes[j] for result in results]
@@ -236,4 +257,4 @@ def save_to_all(
             outcomes.append(OK)
         else:
             outcomes.append(failed("; ".join(o.reason or "failed" for o in mine)))
-    return outcomes, sum(result.nbytes for result in results)
+    return outcomes, nbytes
