@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml
 	dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
 		|| echo "warning: could not install libibverbs1; the mooncake backends will be unavailable"
 	$(PIP) install -e '.[mooncake]'
+	# kvmux[lmcache] last: it pins numpy and friends lower, which the rest accepts
+	# (shared/NOTES.md); its cuda.bindings is why nixl-cu13 is installed above.
+	$(PIP) install -e '.[lmcache]'
 	touch $@
 
 demo: $(STAMP)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,3 +137,79 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.001)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------- Mooncake Store
+
+MOONCAKE_MASTER = Path(os.environ.get("VIRTUAL_ENV", ".venv")) / "bin" / "mooncake_master"
+
+
+@contextlib.contextmanager
+def run_master() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A private ``mooncake_master`` on free loopback ports, stopped by PID.
+
+    Yields ``("127.0.0.1:PORT", process)``. Its defaults listen on 0.0.0.0,
+    hence the explicit addresses (shared/NOTES.md).
+    """
+    binary = str(MOONCAKE_MASTER) if MOONCAKE_MASTER.exists() else None
+    binary = binary or shutil.which("mooncake_master")
+    if binary is None:
+        pytest.skip("mooncake_master is not installed")
+    port, metrics = free_port(), free_port()
+    argv = [
+        binary,
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={port}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+    ]
+    with listening_process(argv, port, "mooncake_master", 20) as proc:
+        yield f"127.0.0.1:{port}", proc
+
+
+# ------------------------------------------------------------- LMCache server
+
+
+@contextlib.contextmanager
+def run_lmcache_server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A private ``lmcache_server`` (CPU storage) on a free loopback port, stopped
+    by PID. Yields ``("lm://127.0.0.1:PORT", process)``."""
+    port = free_port()
+    argv = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+    with listening_process(argv, port, "lmcache_server", 120) as proc:
+        yield f"lm://127.0.0.1:{port}", proc
+
+
+@contextlib.contextmanager
+def listening_process(
+    argv: list[str], port: int, what: str, start_s: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` until it listens on 127.0.0.1:``port``; SIGTERM (then SIGKILL)
+    it by PID at the end, if it still runs."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert proc.poll() is None, f"{what} exited"
+                assert time.monotonic() < deadline, f"{what} did not listen in {start_s} s"
+                time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()

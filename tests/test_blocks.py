@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -73,6 +75,25 @@ def test_fingerprint_ignores_block_count_but_not_shape_or_dtype() -> None:
     d = KVLayout.from_caches(make_caches(num_blocks=8), 32)
     with pytest.raises(LayoutError, match="block_size differs"):
         a.check_compatible(d)
+
+
+def test_declared_dims_join_the_fingerprint_and_undeclared_ones_change_nothing() -> None:
+    caches = make_caches(num_blocks=8)  # blocks of [2, 16 tokens, 2 heads, 32]
+    plain = KVLayout.from_caches(caches, 16)
+    declared = KVLayout.from_caches(caches, 16, dims="KTHD")
+    assert plain.layers[0].dims is None
+    # Undeclared: the fingerprint of before dims existed, so disk stores stay readable.
+    before = hashlib.blake2b(b"16", digest_size=16)
+    for layer in plain.layers:
+        before.update(f"|{layer.name}|{layer.block_shape}|{layer.dtype}".encode())
+    assert plain.fingerprint() == before.hexdigest()
+    assert declared.fingerprint() != plain.fingerprint()
+    with pytest.raises(LayoutError, match="dims differs"):
+        declared.check_compatible(plain)
+    with pytest.raises(ValueError, match="names 3 dimensions"):
+        KVLayout.from_caches(caches, 16, dims="KTH")
+    with pytest.raises(ValueError, match="each letter at most once"):
+        KVLayout.from_caches(caches, 16, dims="KTHH")
 
 
 def test_layers_with_different_block_counts_are_invalid() -> None:

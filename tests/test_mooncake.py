@@ -3,12 +3,9 @@ LookupBuffer) with the real ``mooncake`` package, across OS processes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +35,7 @@ from kvmux.testing.peer import (
 )
 from kvmux.testing.suite import ConnectorSuite
 
-from support import P2P_TIMEOUT_S, Consumer, statuses
+from support import P2P_TIMEOUT_S, Consumer, free_port, run_master, statuses
 
 SEED = 17
 N = 64
@@ -47,7 +44,6 @@ CONFIG: dict[str, Any] = {
     "timeout_s": P2P_TIMEOUT_S,
     "capacity_bytes": 4 * 2**20,
 }
-MASTER = Path(os.environ.get("VIRTUAL_ENV", ".venv")) / "bin" / "mooncake_master"
 
 
 def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any) -> Consumer:
@@ -243,51 +239,6 @@ def test_listing_shows_both_entries_with_the_mooncake_extra() -> None:
 # ------------------------------------------------------ mooncake-store (buffer)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def run_master() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A private ``mooncake_master`` on free loopback ports, stopped by PID."""
-    binary = str(MASTER) if MASTER.exists() else shutil.which("mooncake_master")
-    if binary is None:
-        pytest.skip("mooncake_master is not installed")
-    port, metrics = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={port}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "mooncake_master exited"
-                assert time.monotonic() < deadline, "mooncake_master did not listen"
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 @pytest.fixture(scope="module")
 def master() -> Iterator[str]:
     with run_master() as (address, _):
@@ -365,7 +316,7 @@ def test_a_closed_store_buffer_is_unhealthy_and_refuses_calls(master: str) -> No
 
 
 def test_master_down_is_a_clear_error_at_creation() -> None:
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     start = time.monotonic()
     with pytest.raises(TransferError, match=r"master .* is unreachable"):
         create_connector(

@@ -26,6 +26,8 @@ from vllm_e2e_support import (
     tokens,
 )
 
+from support import run_lmcache_server, run_master
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -51,6 +53,9 @@ def _has(module: str) -> bool:
         "shm",
         "tcp",
         pytest.param("nixl", marks=pytest.mark.skipif(not _has("nixl"), reason="no nixl")),
+        pytest.param(
+            "mooncake", marks=pytest.mark.skipif(not _has("mooncake"), reason="no mooncake")
+        ),
     ],
 )
 def pd_pair(request: Any, model: str) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
@@ -85,9 +90,20 @@ def test_pd_comparison_fails_when_the_moved_kv_is_tampered_with(pd_pair, referen
     assert tokens(decoded) != reference
 
 
-@pytest.mark.parametrize("backend", ["cpu"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        {"backend": "cpu"},
+        pytest.param(
+            {"backend": "lmcache", "max_local_cpu_gb": 0.25},
+            marks=pytest.mark.skipif(not _has("lmcache"), reason="no lmcache"),
+            id="lmcache",
+        ),
+    ],
+    ids=lambda b: b["backend"],
+)
 def test_saved_prefix_reloaded_gives_the_tokens_of_a_single_instance(model, reference, backend):
-    with EngineProcess(spec(model, {"backend": backend})) as engine:
+    with EngineProcess(spec(model, backend)) as engine:
         assert tokens(engine.generate(PROMPTS, MAX_TOKENS)) == reference
         assert engine.call("reset_prefix_cache")["ok"]  # vLLM forgets; kvmux must remember
         assert tokens(engine.generate(PROMPTS, MAX_TOKENS)) == reference
@@ -103,6 +119,44 @@ def test_disk_blocks_survive_an_engine_restart(model, reference, tmp_path: Path)
         assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == reference
         stats = second.call("stats")["stats"]
     assert stats["load_blocks_ok"] == FULL_BLOCKS
+
+
+@pytest.mark.skipif(not _has("mooncake"), reason="no mooncake")
+def test_mooncake_store_blocks_reach_a_fresh_engine(model, reference):
+    """Another engine process, which never saw the prompts, loads every full block that the
+    first one saved in the store. A store value lives in its writer's segment (the store is
+    not persistent: a reader started after the writer stopped finds nothing), so the writer
+    stays up meanwhile, as in a deployment."""
+    with run_master() as (master, _):
+        backend = {
+            "backend": "mooncake-store",
+            "master_address": master,
+            "global_segment_bytes": 32 * 2**20,
+            "local_buffer_bytes": 32 * 2**20,
+        }
+        with EngineProcess(spec(model, backend)) as writer:
+            assert tokens(writer.generate(PROMPTS, MAX_TOKENS)) == reference
+            assert writer.call("stats")["stats"].get("load_blocks_ok", 0) == 0
+            with EngineProcess(spec(model, backend)) as reader:
+                assert tokens(reader.generate(PROMPTS, MAX_TOKENS)) == reference
+                stats = reader.call("stats")["stats"]
+    assert stats["load_blocks_ok"] == FULL_BLOCKS
+    assert stats.get("load_blocks_failed", 0) == stats.get("load_blocks_missing", 0) == 0
+
+
+@pytest.mark.skipif(not _has("lmcache"), reason="no lmcache")
+def test_lmcache_server_blocks_survive_an_engine_restart(model, reference):
+    """LMCache's engine in each vLLM process, an ``lmcache_server`` behind it: a
+    fresh engine loads, in LMCache's own format, every full block the first saved."""
+    with run_lmcache_server() as (url, _):
+        backend = {"backend": "lmcache", "remote_url": url, "max_local_cpu_gb": 0.25}
+        with EngineProcess(spec(model, backend)) as first:
+            assert tokens(first.generate(PROMPTS, MAX_TOKENS)) == reference
+        with EngineProcess(spec(model, backend)) as second:
+            assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == reference
+            stats = second.call("stats")["stats"]
+    assert stats["load_blocks_ok"] == FULL_BLOCKS
+    assert stats.get("load_blocks_failed", 0) == stats.get("load_blocks_missing", 0) == 0
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -20,7 +20,12 @@ from kvmux.errors import LayoutError
 
 
 class LayerSpec(BaseModel):
-    """One layer's KV tensor: full shape, dtype name and which dimension indexes blocks."""
+    """One layer's KV tensor: full shape, dtype name and which dimension indexes blocks.
+
+    ``dims`` optionally says what the block's dimensions mean. Moving bytes never
+    needs it; converting them into another system's own format does (LMCache
+    stores ``[K/V, layer, token, head x dim]``), and only the engine knows.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -28,6 +33,12 @@ class LayerSpec(BaseModel):
     shape: tuple[int, ...] = Field(min_length=2)
     dtype: str
     block_dim: int = Field(0, ge=0)
+    dims: str | None = Field(
+        None,
+        pattern=r"^[KTHD]+$",
+        description="what each dimension of one block holds, one letter each: K (key or "
+        "value), T (token), H (head), D (within a head); e.g. 'KTHD'. None: not declared",
+    )
 
     @model_validator(mode="after")
     def _block_dim_in_range(self) -> LayerSpec:
@@ -35,6 +46,17 @@ class LayerSpec(BaseModel):
             raise ValueError(
                 f"block_dim {self.block_dim} must index a dimension before the last "
                 f"of shape {self.shape}"
+            )
+        if self.dims is not None and len(self.dims) != len(self.shape) - 1:
+            raise ValueError(
+                f"dims {self.dims!r} names {len(self.dims)} dimensions, "
+                f"a block of shape {self.block_shape} has {len(self.shape) - 1}"
+            )
+        if self.dims is not None and (
+            "T" not in self.dims or len(set(self.dims)) != len(self.dims)
+        ):
+            raise ValueError(
+                f"dims {self.dims!r}: each letter at most once, and T (tokens) present"
             )
         return self
 
@@ -82,7 +104,11 @@ class KVLayout(BaseModel):
 
     @classmethod
     def from_caches(
-        cls, caches: Mapping[str, torch.Tensor], block_size: int, block_dim: int = 0
+        cls,
+        caches: Mapping[str, torch.Tensor],
+        block_size: int,
+        block_dim: int = 0,
+        dims: str | None = None,
     ) -> KVLayout:
         if not caches:
             raise LayoutError("no KV tensors given")
@@ -95,6 +121,7 @@ class KVLayout(BaseModel):
                 shape=tuple(t.shape),
                 dtype=dtype_name(t.dtype),
                 block_dim=block_dim,
+                dims=dims,
             )
             for name, t in caches.items()
         )
@@ -114,6 +141,8 @@ class KVLayout(BaseModel):
         h.update(str(self.block_size).encode())
         for layer in self.layers:
             h.update(f"|{layer.name}|{layer.block_shape}|{layer.dtype}".encode())
+            if layer.dims is not None:  # undeclared dims keep the fingerprints they had
+                h.update(f"|{layer.dims}".encode())
         return h.hexdigest()
 
     def fingerprint(self) -> str:
@@ -129,7 +158,7 @@ class KVLayout(BaseModel):
         if len(self.layers) != len(other.layers):
             raise LayoutError(f"layer count differs: {len(self.layers)} vs {len(other.layers)}")
         for mine, theirs in zip(self.layers, other.layers, strict=True):
-            for field in ("name", "block_shape", "dtype"):
+            for field in ("name", "block_shape", "dtype", "dims"):
                 a, b = getattr(mine, field), getattr(theirs, field)
                 if a != b:
                     raise LayoutError(f"layer {mine.name!r}: {field} differs: {a} vs {b}")

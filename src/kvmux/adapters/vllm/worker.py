@@ -78,19 +78,38 @@ class WorkerSide:
     # ------------------------------------------------------------------ set-up
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        layout = KVLayout.from_caches(kv_caches, self.block_size, self._block_dim(kv_caches))
-        self.connector.register(layout, kv_caches)
+        views, block_dim, dims = self._described(kv_caches)
+        layout = KVLayout.from_caches(views, self.block_size, block_dim, dims)
+        self.connector.register(layout, views)
         live.publish(self.engine_id, self)
 
-    def _block_dim(self, kv_caches: Mapping[str, torch.Tensor]) -> int:
-        """The dimension that indexes blocks: vLLM's CPU layout has it first, GPU ones second."""
-        shape = next(iter(kv_caches.values())).shape
+    def _described(
+        self, kv_caches: Mapping[str, torch.Tensor]
+    ) -> tuple[Mapping[str, torch.Tensor], int, str | None]:
+        """The KV tensors as kvmux sees them: the block dimension and, for the
+        layouts known here, what each block dimension holds (a backend that
+        converts to its own format needs it: LMCache's).
+
+        vLLM's CPU backend keeps ``[blocks, heads, block_size, 2 x head_size]``
+        and reads it as ``[blocks, heads, 2 x block_size, head_size]``, keys
+        first: the same memory viewed as ``[blocks, heads, K/V, tokens, head_size]``.
+        Its GPU backends keep ``[K/V, blocks, tokens, heads, head_size]``.
+        """
+        shape = tuple(next(iter(kv_caches.values())).shape)
+        bs, nb = self.block_size, self.num_blocks
+        if len(shape) == 4 and shape[0] == nb and shape[2] == bs and shape[3] % 2 == 0:
+            heads, head_size = shape[1], shape[3] // 2
+            try:
+                views = {n: t.view(nb, heads, 2, bs, head_size) for n, t in kv_caches.items()}
+            except RuntimeError:  # strides that admit no such view: move bytes only
+                return kv_caches, 0, None
+            return views, 0, "HKTD"
+        if len(shape) == 5 and shape[0] == 2 and shape[1] == nb and shape[2] == bs:
+            return kv_caches, 1, "KTHD"
         for dim in (0, 1):
-            if dim < len(shape) and shape[dim] == self.num_blocks:
-                return dim
-        raise LayoutError(
-            f"cannot find the block dimension ({self.num_blocks} blocks) in KV shape {tuple(shape)}"
-        )
+            if dim < len(shape) and shape[dim] == nb:
+                return kv_caches, dim, None
+        raise LayoutError(f"cannot find the block dimension ({nb} blocks) in KV shape {shape}")
 
     def address(self) -> dict[str, Any] | None:
         return self.connector.address()
