@@ -26,6 +26,9 @@ from lmcache.v1.memory_management import MemoryObj
 from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout, LayerSpec
 
+Objs = Sequence[MemoryObj]
+Ints = Sequence[int]
+
 
 @dataclass(frozen=True)
 class ChunkView:
@@ -137,25 +140,13 @@ class BlockCopyConnector(GPUConnectorInterface):  # type: ignore[misc]
         for ours, theirs in self._pairs(memory_obj, block):
             ours.copy_(theirs)
 
-    def batched_from_gpu(
-        self,
-        memory_objs: Sequence[MemoryObj],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        **kw: Any,
-    ) -> None:
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(obj, start, end, **kw)
+    def batched_from_gpu(self, objs: Objs, starts: Ints, ends: Ints, **kw: Any) -> None:
+        for chunk in zip(objs, starts, ends, strict=True):
+            self.from_gpu(*chunk, **kw)
 
-    def batched_to_gpu(
-        self,
-        memory_objs: Sequence[MemoryObj],
-        starts: Sequence[int],
-        ends: Sequence[int],
-        **kw: Any,
-    ) -> None:
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.to_gpu(obj, start, end, **kw)
+    def batched_to_gpu(self, objs: Objs, starts: Ints, ends: Ints, **kw: Any) -> None:
+        for chunk in zip(objs, starts, ends, strict=True):
+            self.to_gpu(*chunk, **kw)
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         view = self.chunk_view
