@@ -27,9 +27,13 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvmux.layout import KVLayout
+
+Ids = Sequence[int] | npt.NDArray[np.int64]
+"""Block ids or rows of one copy: a list, or an int64 array (no conversion needed)."""
 
 _VECTOR_MIN_RUN = 4
 """Below this many consecutive rows, per-range memmove beats a vectorized call's set-up."""
@@ -68,9 +72,7 @@ class BlockCopier:
     def num_blocks(self) -> int:
         return self.layout.num_blocks
 
-    def copy_out(
-        self, block_ids: Sequence[int], dst: torch.Tensor, rows: Sequence[int] | None = None
-    ) -> None:
+    def copy_out(self, block_ids: Ids, dst: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy blocks ``block_ids`` into ``dst[rows[i]]`` (rows default to 0..n-1)."""
         self._check_rows(dst, block_ids, rows)
         if self._host is not None and _host_rows(dst):
@@ -81,9 +83,7 @@ class BlockCopier:
                 src = u8.narrow(bdim, block, n).movedim(bdim, 0)
                 dst[row : row + n, off : off + nbytes].view(src.shape).copy_(src)
 
-    def copy_in(
-        self, block_ids: Sequence[int], src: torch.Tensor, rows: Sequence[int] | None = None
-    ) -> None:
+    def copy_in(self, block_ids: Ids, src: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy ``src[rows[i]]`` into blocks ``block_ids`` (rows default to 0..n-1)."""
         self._check_rows(src, block_ids, rows)
         if self._host is not None and _host_rows(src):
@@ -94,7 +94,7 @@ class BlockCopier:
                 dst = u8.narrow(bdim, block, n).movedim(bdim, 0)
                 dst.copy_(src[row : row + n, off : off + nbytes].view(dst.shape))
 
-    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def gather(self, block_ids: Ids) -> torch.Tensor:
         """A new contiguous ``[len(block_ids), block_nbytes]`` tensor holding the blocks."""
         out = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8)
         self.copy_out(block_ids, out)
@@ -114,9 +114,9 @@ class BlockCopier:
 
     def _host_copy(
         self,
-        block_ids: Sequence[int],
+        block_ids: Ids,
         rows_tensor: torch.Tensor,
-        rows: Sequence[int] | None,
+        rows: Ids | None,
         *,
         to_rows: bool,
     ) -> None:
@@ -132,7 +132,7 @@ class BlockCopier:
             if n < _VECTOR_MIN_RUN:
                 tasks.append(partial(self._memmove, blocks, rows_tensor, row, to_rows=to_rows))
                 continue
-            idx = torch.tensor(blocks, dtype=torch.long)
+            idx = torch.as_tensor(np.asarray(blocks, dtype=np.int64))
             run = rows_tensor[row : row + n]
             for layer, (u8, _, off, nbytes) in zip(self._host, self._layers, strict=True):
                 kv = u8.view(layer.outer, -1, layer.seg)
@@ -144,13 +144,13 @@ class BlockCopier:
         _run_split(tasks, len(block_ids) * self.block_nbytes)
 
     def _memmove(
-        self, block_ids: Sequence[int], rows_tensor: torch.Tensor, first_row: int, *, to_rows: bool
+        self, block_ids: Ids, rows_tensor: torch.Tensor, first_row: int, *, to_rows: bool
     ) -> None:
         assert self._host is not None
         row_stride = rows_tensor.stride(0)
         row_addr = rows_tensor.data_ptr() + first_row * row_stride
         move = ctypes.memmove
-        for block in block_ids:
+        for block in map(int, block_ids):  # ctypes takes Python ints only
             for layer in self._host:
                 kv = layer.base + block * layer.block_stride
                 flat = row_addr + layer.row_offset
@@ -162,9 +162,7 @@ class BlockCopier:
                         move(a, b, layer.seg)
             row_addr += row_stride
 
-    def _check_rows(
-        self, tensor: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int] | None
-    ) -> None:
+    def _check_rows(self, tensor: torch.Tensor, block_ids: Ids, rows: Ids | None) -> None:
         if tensor.dtype != torch.uint8 or tensor.dim() != 2:
             raise ValueError(
                 f"rows must be a 2-D uint8 tensor, got {tensor.dtype} {tensor.dim()}-D"
@@ -173,12 +171,13 @@ class BlockCopier:
             raise ValueError(
                 f"rows are {tensor.shape[1]} bytes wide, blocks are {self.block_nbytes}"
             )
-        if not block_ids:
+        if not len(block_ids):
             return
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
+        low, high = _bounds(block_ids)
+        if low < 0 or high >= self.num_blocks:
             raise IndexError(f"block id out of range [0, {self.num_blocks})")
-        needed = len(block_ids) if rows is None else max(rows) + 1
-        if (rows is not None and min(rows) < 0) or needed > tensor.shape[0]:
+        low, high = (0, len(block_ids) - 1) if rows is None else _bounds(rows)
+        if low < 0 or high >= tensor.shape[0]:
             raise IndexError(f"row out of range for {tensor.shape[0]} rows")
 
 
@@ -235,28 +234,38 @@ def _run_all(tasks: list[Callable[[], None]]) -> None:
         task()
 
 
-def _row_runs(rows: Sequence[int] | None, n: int) -> Iterator[tuple[int, int, int]]:
-    """(first row, first index, length) of each run of consecutive rows."""
-    if rows is None:
-        yield 0, 0, n
-        return
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and rows[j] == rows[j - 1] + 1:
-            j += 1
-        yield rows[i], i, j - i
-        i = j
+def _bounds(values: Ids) -> tuple[int, int]:
+    """(min, max) of a non-empty list or array, each at C speed (the builtins
+    would iterate a numpy array element by element)."""
+    if isinstance(values, np.ndarray):
+        return int(values.min()), int(values.max())
+    return min(values), max(values)
+
+
+def _row_runs(rows: Ids | None, n: int) -> list[tuple[int, int, int]]:
+    """(first row, first index, length) of each run of consecutive rows, found with
+    one numpy pass: a batch is thousands of rows, mostly in a few runs."""
+    if rows is None or n == 0:
+        return [(0, 0, n)] if n else []
+    r = np.asarray(rows, dtype=np.int64)
+    if len(r) != n:
+        raise ValueError(f"{n} block ids but {len(r)} rows")
+    starts = np.flatnonzero(np.diff(r) != 1) + 1
+    firsts = [0, *starts.tolist()]
+    lengths = np.diff([*firsts, n]).tolist()
+    return list(zip(r[firsts].tolist(), firsts, lengths, strict=True))
 
 
 def _host_rows(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.stride(1) == 1
 
 
-def _runs(block_ids: Sequence[int], rows: Sequence[int] | None) -> Iterator[tuple[int, int, int]]:
+def _runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int]]:
     """Split into (first block, first row, length) runs where both advance by one."""
+    block_ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
     if rows is None:
         rows = range(len(block_ids))
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
     if len(rows) != len(block_ids):
         raise ValueError(f"{len(block_ids)} block ids but {len(rows)} rows")
     i, n = 0, len(block_ids)

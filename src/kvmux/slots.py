@@ -9,15 +9,49 @@ reads from another process, holds a *lease* that ends at unpin or after
 ``lease_s``, so a consumer that dies never keeps slots pinned forever. A key
 released while pinned disappears at once for lookups but keeps its slot until
 the last pin goes. The ``cpu`` pool uses the same table and simply never pins.
+
+Batches are thousands of keys and every batch passes through here under the
+owner's lock, so the batch methods (``lookup``, ``find_many``, ``keep_many``,
+``allocate_many``, ``unpin``) do no Python work per key: ``map`` over the
+C-level ``OrderedDict`` methods, ``itertools`` to filter, numpy for pin counts.
+The one-key methods stay for callers that handle one key at a time.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, islice, repeat
+from operator import and_, ge, not_
+
+import numpy as np
+import numpy.typing as npt
 
 from kvmux.keys import BlockKey
+
+SlotArray = npt.NDArray[np.int64]
+"""Slots of a batch, one per key, -1 where the key is not stored."""
+
+
+def _drain(it: Iterator[object]) -> None:
+    """Run an iterator of side effects (a ``map`` of a C method) at C speed."""
+    deque(it, maxlen=0)
+
+
+def _leading(flags: Iterable[bool], n: int) -> int:
+    """How many of the ``n`` leading ``flags`` are true (stops at the first false)."""
+    return next(compress(itertools.count(), map(not_, flags)), n)
+
+
+def _add_counts(counts: npt.NDArray[np.int32], idx: SlotArray, delta: int) -> None:
+    """``counts[idx] += delta``, a slot listed twice counting twice. ``np.add.at``
+    costs ~70 ns an element; a ``bincount`` over the whole pool is cheaper unless
+    ``idx`` is far shorter than the pool."""
+    if len(idx) * 16 < len(counts):
+        np.add.at(counts, idx, delta)
+    else:
+        counts += (np.bincount(idx, minlength=len(counts)) * delta).astype(counts.dtype)
 
 
 class SlotPool:
@@ -46,22 +80,60 @@ class SlotPool:
             self._where.move_to_end(key)
         return slot
 
+    def lookup(self, keys: Sequence[BlockKey]) -> SlotArray:
+        """Every key's slot (-1: absent), marking the present ones most recently
+        used in ``keys`` order, as ``get`` of each key in turn would."""
+        slots = np.fromiter(map(self._where.get, keys, repeat(-1)), np.int64, len(keys))
+        if slots.size and slots.max() >= 0:  # a batch of new keys has nothing to touch
+            hits = map(ge, slots.tolist(), repeat(0))
+            _drain(map(self._where.move_to_end, compress(keys, hits)))
+        return slots
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark the stored ``keys`` most recently used, in ``keys`` order."""
+        _drain(map(self._where.move_to_end, compress(keys, self.stored(keys))))
+
+    def stored(self, keys: Iterable[BlockKey]) -> Iterator[bool]:
+        """Whether each key is stored, lazily (does not touch the LRU order)."""
+        return map(self._where.__contains__, keys)
+
     def allocate(self, key: BlockKey, protected: set[int]) -> int | None:
         """A slot for a new ``key``, evicting the least recently used block not in
         ``protected`` if none is free; None if every slot is protected."""
-        if self._free:
-            slot = self._free.pop()
-        elif self._unused < self.slots:
-            slot = self._unused
-            self._unused += 1
-        else:
-            victim = next((k for k, s in self._where.items() if s not in protected), None)
-            if victim is None:
-                return None
-            slot = self._where.pop(victim)
-            self.evictions += 1
-        self._where[key] = slot
-        return slot
+        placed = self.allocate_many([key], protected)
+        return placed[0] if placed else None  # the caller adds it to protected
+
+    def allocate_many(self, keys: Sequence[BlockKey], protected: set[int]) -> list[int]:
+        """Slots for the leading new ``keys`` (absent, distinct), as many as fit:
+        free slots first, then never-used ones, then the least recently used
+        blocks not in ``protected``. Fewer slots than keys means every other
+        slot is protected.
+
+        The same slots and victims as one ``allocate`` per key with each slot
+        handed out added to ``protected``: victims are all chosen before any new
+        key goes in, so a call never evicts its own keys. ``protected`` is left
+        as it was (adding thousands of slots would cost more than the rest)."""
+        want = len(keys)
+        take = min(want, len(self._free))
+        slots = self._free[len(self._free) - take :][::-1]  # pop() order
+        del self._free[len(self._free) - take :]
+        fresh = min(want - len(slots), self.slots - self._unused)
+        slots.extend(range(self._unused, self._unused + fresh))
+        self._unused += fresh
+        if len(slots) < want:
+            victims = self._victims(want - len(slots), protected)
+            slots.extend(map(self._where.pop, victims))
+            self.evictions += len(victims)
+        self._where.update(zip(keys, slots, strict=False))  # the leading keys that fit
+        return slots
+
+    def _victims(self, n: int, protected: set[int]) -> list[BlockKey]:
+        """Up to ``n`` least recently used keys whose slots are not ``protected``.
+        Scans from the old end only as far as needed, without Python code per entry."""
+        if not protected:
+            return list(islice(self._where, n))
+        free = map(not_, map(protected.__contains__, self._where.values()))
+        return list(islice(compress(self._where, free), n))
 
     def remove(self, key: BlockKey) -> None:
         slot = self._where.pop(key, None)
@@ -72,15 +144,19 @@ class SlotPool:
 class PinnedSlots:
     """LRU slots (a :class:`SlotPool`) plus pins and leases.
 
+    Pins are a count per slot in a numpy array, so pinning and unpinning a
+    lease of thousands of slots is a few array operations.
+
     Not thread-safe: its owner holds a lock around each batch.
     """
 
     def __init__(self, slots: int) -> None:
         self._lru = SlotPool(slots)
-        self._pins: Counter[int] = Counter()
+        self._pins = np.zeros(slots, dtype=np.int32)  # calloc: O(1) until touched
+        self._pin_total = 0  # sum of _pins: lets the never-pinned case skip the array
         self._released: dict[int, BlockKey] = {}
         self._released_keys: set[BlockKey] = set()
-        self._leases: dict[int, tuple[list[int], float]] = {}
+        self._leases: dict[int, tuple[SlotArray, float]] = {}
         self._lease_ids = itertools.count(1)
 
     @property
@@ -93,7 +169,8 @@ class PinnedSlots:
 
     @property
     def pinned(self) -> int:
-        return len(self._pins)
+        """How many slots hold at least one pin."""
+        return int(np.count_nonzero(self._pins)) if self._pin_total else 0
 
     def __len__(self) -> int:
         return len(self._lru) - len(self._released)
@@ -106,29 +183,49 @@ class PinnedSlots:
         slot = self._lru.get(key)
         return None if slot is None or slot in self._released else slot
 
+    def find_many(self, keys: Sequence[BlockKey]) -> SlotArray:
+        """``find`` of every key, in order: slots, -1 where absent."""
+        slots = self._lru.lookup(keys)
+        if self._released:
+            slots[np.isin(slots, list(self._released))] = -1
+        return slots
+
     def prefix(self, keys: Iterable[BlockKey]) -> int:
         """How many leading ``keys`` are stored (does not touch the LRU order)."""
-        found = 0
-        for key in keys:
-            if key not in self._lru or key in self._released_keys:
-                break
-            found += 1
-        return found
+        keys = list(keys)
+        stored = self._lru.stored(keys)
+        if self._released_keys:
+            live = map(not_, map(self._released_keys.__contains__, keys))
+            stored = map(and_, stored, live)
+        return _leading(stored, len(keys))
 
     def keep(self, key: BlockKey) -> bool:
         """True if ``key`` is stored already (a save of it then has nothing to do);
         a key released while pinned is taken back."""
-        slot = self._lru.get(key)
-        if slot is None:
-            return False
-        if self._released.pop(slot, None) is not None:
-            self._released_keys.discard(key)
-        return True
+        return bool(self.keep_many([key])[0] >= 0)
+
+    def keep_many(self, keys: Sequence[BlockKey]) -> SlotArray:
+        """``keep`` of every key: the slots of those stored already (now most
+        recently used, and taken back if released while pinned), -1 for new ones."""
+        slots = self._lru.lookup(keys)
+        if self._released:
+            back = slots[np.isin(slots, list(self._released))].tolist()
+            self._released_keys.difference_update(map(self._released.pop, back))
+        return slots
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark the stored ``keys`` most recently used, in ``keys`` order: after a
+        save that kept some keys and placed others, the batch's LRU order is its
+        own order again, as if each key had been saved in turn."""
+        self._lru.touch(keys)
 
     def protected(self) -> set[int]:
-        """A fresh set of the pinned slots, for a batch to add the slots it writes to
-        and pass to every ``allocate`` of that batch."""
-        return set(self._pins)
+        """A fresh set of the pinned slots, for a batch to pass to every
+        ``allocate`` of that batch (adding each slot it writes to) or to one
+        ``allocate_many``."""
+        if not self._pin_total:
+            return set()
+        return set(np.flatnonzero(self._pins).tolist())
 
     def allocate(self, key: BlockKey, protected: set[int]) -> int | None:
         """A slot for a new ``key``; evicts the least recently used slot not in
@@ -136,35 +233,56 @@ class PinnedSlots:
         if none is free; None if every slot is protected."""
         return self._lru.allocate(key, protected)
 
+    def allocate_many(self, keys: Sequence[BlockKey], protected: set[int]) -> list[int]:
+        """Slots for as many leading new ``keys`` as fit (see
+        :meth:`SlotPool.allocate_many`); ``protected`` as for ``allocate``."""
+        return self._lru.allocate_many(keys, protected)
+
     def release(self, key: BlockKey) -> None:
         if key not in self._lru:
             return
         slot = self._lru.get(key)
         assert slot is not None
-        if slot in self._pins:
+        if self._pins[slot] > 0:
             self._released[slot] = key
             self._released_keys.add(key)
         else:
             self._lru.remove(key)
 
-    def pin(self, slots: list[int]) -> None:
-        self._pins.update(slots)
+    def pin(self, slots: Sequence[int] | SlotArray) -> None:
+        idx = np.asarray(slots, dtype=np.int64)
+        _add_counts(self._pins, idx, 1)
+        self._pin_total += len(idx)
 
-    def unpin(self, slots: list[int]) -> None:
-        for slot in slots:
-            self._pins[slot] -= 1
-            if self._pins[slot] <= 0:
-                del self._pins[slot]
-                key = self._released.pop(slot, None)
-                if key is not None:
-                    self._released_keys.discard(key)
-                    self._lru.remove(key)
+    def unpin(self, slots: Sequence[int] | SlotArray) -> None:
+        """Drop one pin per listed slot; a slot left unpinned that holds a released
+        key frees it now."""
+        idx = np.asarray(slots, dtype=np.int64)
+        if not idx.size:
+            return
+        _add_counts(self._pins, idx, -1)
+        counts = self._pins[idx]
+        if (counts < 0).any():  # more unpins than pins (a caller's bug): floor at zero
+            self._pins[idx] = np.maximum(counts, 0)
+            self._pin_total = int(self._pins.sum())
+        else:
+            self._pin_total -= len(idx)
+        if self._released:
+            self._free_released(idx[counts <= 0])
 
-    def lease(self, slots: list[int], expires: float) -> int:
+    def _free_released(self, unpinned: SlotArray) -> None:
+        """Remove the keys released while pinned whose slots are now unpinned."""
+        for slot in [s for s in unpinned.tolist() if s in self._released]:
+            key = self._released.pop(slot)
+            self._released_keys.discard(key)
+            self._lru.remove(key)
+
+    def lease(self, slots: Sequence[int] | SlotArray, expires: float) -> int:
         """Pin ``slots`` until ``end_lease`` or the monotonic time ``expires``."""
         lease = next(self._lease_ids)
-        self.pin(slots)
-        self._leases[lease] = (slots, expires)
+        held = np.array(slots, dtype=np.int64)  # a copy: the caller may reuse its list
+        self.pin(held)
+        self._leases[lease] = (held, expires)
         return lease
 
     def end_lease(self, lease: int) -> None:

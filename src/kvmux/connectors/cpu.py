@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -75,30 +76,44 @@ class CpuPoolConnector(Connector):
         pool = self._pool
         assert pool is not None
         outcomes: list[Outcome] = [OK] * len(keys)
-        blocks: list[int] = []
-        rows: list[int] = []
         with self._lock:
             self._slots.reap(time.monotonic())
-            # Pinned slots and the slots written by this batch are protected, so a
-            # batch larger than the pool evicts its own oldest blocks last, never
-            # mid-copy, and never a slot a peer is reading.
-            protected = self._slots.protected()
-            for i, (key, block) in enumerate(zip(keys, block_ids, strict=True)):
-                if self._slots.keep(key):
-                    continue  # same key, same content: stored already
-                slot = self._slots.allocate(key, protected)
-                if slot is None:
-                    self.copier.copy_out(blocks, pool, rows)
-                    blocks, rows, protected = [], [], self._slots.protected()
-                    slot = self._slots.allocate(key, protected)
-                if slot is None:
-                    outcomes[i] = failed("every pool slot is pinned by transfers to peers")
-                    continue
-                protected.add(slot)
-                blocks.append(block)
-                rows.append(slot)
-            self.copier.copy_out(blocks, pool, rows)
-        return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
+            # Keys stored already need no copy (same key, same content). They are
+            # touched first, so no new key of the batch evicts them.
+            new = np.flatnonzero(self._slots.keep_many(keys) < 0)
+            if 0 < len(new) < len(keys):
+                picked = new.tolist()
+                new_keys = list(map(keys.__getitem__, picked))
+                blocks = list(map(block_ids.__getitem__, picked))
+                saved = self._place_and_copy(pool, new_keys, blocks)
+                self._slots.touch(keys)  # LRU order = batch order again
+            else:
+                saved = self._place_and_copy(pool, keys, block_ids) if len(new) else 0
+        unplaced = new[saved:].tolist()
+        if unplaced:
+            error = failed("every pool slot is pinned by transfers to peers")
+            for i in unplaced:
+                outcomes[i] = error
+        return outcomes, (len(outcomes) - len(unplaced)) * self.copier.block_nbytes
+
+    def _place_and_copy(
+        self, pool: torch.Tensor, keys: list[BlockKey], block_ids: list[int]
+    ) -> int:
+        """Give the new ``keys`` slots and copy their blocks in; how many leading keys
+        got one (the rest found every slot pinned). Caller holds the lock.
+
+        Pinned slots and the slots written by this batch are protected, so a batch
+        larger than the pool evicts its own oldest blocks last, never mid-copy
+        (the slots placed so far are copied before they become fair game), and
+        never a slot a peer is reading."""
+        done = 0
+        while done < len(keys):
+            rows = self._slots.allocate_many(keys[done:], self._slots.protected())
+            if not rows:
+                break
+            self.copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
+            done += len(rows)
+        return done
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
         return self._run_now(keys, lambda: self._load_local(keys, block_ids))
@@ -106,19 +121,14 @@ class CpuPoolConnector(Connector):
     def _load_local(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
         pool = self._pool
         assert pool is not None
-        outcomes: list[Outcome] = []
-        blocks: list[int] = []
-        rows: list[int] = []
         with self._lock:
-            for key, block in zip(keys, block_ids, strict=True):
-                slot = self._slots.find(key)
-                if slot is None:
-                    outcomes.append(MISSING)
-                    continue
-                outcomes.append(OK)
-                blocks.append(block)
-                rows.append(slot)
-            self.copier.copy_in(blocks, pool, rows)
+            rows = self._slots.find_many(keys)
+            hit = rows >= 0
+            blocks = np.asarray(block_ids, dtype=np.int64)[hit]
+            self.copier.copy_in(blocks, pool, rows[hit])
+        if len(blocks) == len(keys):
+            return [OK] * len(keys), len(blocks) * self.copier.block_nbytes
+        outcomes = [OK if h else MISSING for h in hit.tolist()]
         return outcomes, len(blocks) * self.copier.block_nbytes
 
     def _release(self, keys: list[BlockKey]) -> None:
