@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -273,6 +274,12 @@ def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> 
     got = right.recv(soon())
     assert got == reply and isinstance(got, LocateReply)
     assert got.row_array().tolist() == [3, -1, 0]
+
+
+def test_pack_rows_encodes_a_slot_array_as_it_does_a_list() -> None:
+    """A producer packs ``find_many``'s array (-1: missing) with no loop per row."""
+    as_array = pack_rows(np.array([3, -1, 0], dtype=np.int64))
+    assert as_array == pack_rows([3, None, 0]) == struct.pack("<3i", 3, -1, 0)
 
 
 def test_a_tensor_header_must_agree_with_its_shape_and_dtype() -> None:

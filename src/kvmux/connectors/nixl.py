@@ -162,7 +162,7 @@ class NixlConnector(PinnedPoolConnector):
 
     # ---------------------------------------------------------------- producer
 
-    def _pin(self, rows: list[int], session: Session) -> int:
+    def _pin(self, rows: Rows, session: Session) -> int:
         """Random lease tokens: a NIXL notification names one, so none may be guessable."""
         expires = time.monotonic() + self.config.lease_s
         token = secrets.randbits(62) + 1

@@ -274,8 +274,11 @@ class PinReply(Message):
         return np.frombuffer(self.rows, dtype="<i4")
 
 
-def pack_rows(rows: Sequence[int | None]) -> bytes:
-    """A producer's found rows (None: missing) as :attr:`PinReply.rows`."""
+def pack_rows(rows: Sequence[int | None] | npt.NDArray[np.integer[Any]]) -> bytes:
+    """A producer's found rows (None or -1: missing) as :attr:`PinReply.rows`. An
+    int array (``PinnedSlots.find_many``'s) is encoded at once, with no loop per row."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype("<i4").tobytes()
     return np.array([-1 if row is None else row for row in rows], dtype="<i4").tobytes()
 
 

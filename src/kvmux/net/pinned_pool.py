@@ -23,7 +23,7 @@ from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateRequest, Message, PinReply, Unpin, expect
+from kvmux.net.messages import LocateRequest, Message, PinReply, Unpin, expect, pack_rows
 from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
 from kvmux.net.server import Handler, Session
 
@@ -63,13 +63,12 @@ class PinnedPoolConnector(ServedPoolConnector):
             serving = self._serving()
             rows = self._slots.find_many(keys) if serving else np.full(len(keys), -1)
             found = rows[rows >= 0]
-            # A list: ``nixl`` overrides _pin with that signature.
-            lease = self._pin(found.tolist(), session) if found.size else 0
+            lease = self._pin(found, session) if found.size else 0
             slots = self._slots.slots
         block_nbytes = self.copier.block_nbytes if serving else 0
-        session.send(self._locate_reply(lease, slots, block_nbytes, _pack(rows)))
+        session.send(self._locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
 
-    def _pin(self, rows: list[int], session: Session) -> int:
+    def _pin(self, rows: Rows, session: Session) -> int:
         """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds the lock."""
         lease = self._slots.lease(rows, time.monotonic() + self.config.lease_s)
         session.leases.add(lease)
@@ -131,12 +130,6 @@ class PinnedPoolConnector(ServedPoolConnector):
     @abstractmethod
     def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
-
-
-def _pack(rows: Rows) -> bytes:
-    """Found rows (-1: missing) as :attr:`PinReply.rows`: the encoding of
-    :func:`~kvmux.net.messages.pack_rows`, without its Python loop per row."""
-    return rows.astype("<i4").tobytes()
 
 
 def _outcomes(hit: npt.NDArray[np.bool_], found: Outcome) -> list[Outcome]:
