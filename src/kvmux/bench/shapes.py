@@ -1,4 +1,5 @@
-"""KV-like shapes the benchmarks move: a big-block and a many-small-blocks case."""
+"""KV-like shapes the benchmarks move: big blocks, many small blocks, and one block
+(where what counts is the time a transfer adds, not its bandwidth)."""
 
 from __future__ import annotations
 
@@ -46,5 +47,6 @@ SHAPES = {
         # 8 layers x 32 KiB: a 16-token block of an 8-KV-head, 64-dim bf16 model
         Shape("256x256KiB", blocks=256, layers=8, tokens=16, heads=8),
         Shape("4096x16KiB", blocks=4096, layers=2, tokens=16, heads=2),
+        Shape("1x256KiB", blocks=1, layers=8, tokens=16, heads=8),
     )
 }

@@ -39,6 +39,9 @@ class BenchRecord(BaseModel):
     """The baseline's load part alone, where it has one (raw NIXL or Mooncake: its READ)."""
     lookup_ms_10k: float | None = None
     """One lookup of 10,000 present keys (measured once per backend)."""
+    added_us: float | None = None
+    """Median save+load time minus the baseline's, in microseconds: what kvmux adds
+    per batch (the figure that matters for the one-block shape)."""
     error: str | None = None
 
 
@@ -155,6 +158,7 @@ def _bench_records(
                 save_gbps=round(shape.nbytes / save_s / 1e9, 3),
                 load_gbps=round(shape.nbytes / load_s / 1e9, 3),
                 ratio=round(gbps / base_gbps, 3),
+                added_us=round((save_s + load_s - statistics.median(base_times[b])) * 1e6, 1),
             )
         )
     return records

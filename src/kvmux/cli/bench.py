@@ -140,7 +140,7 @@ def _available_connectors() -> list[str]:
 def _table(records: Sequence[BenchRecord]) -> str:
     head = (
         f"{'backend':<10} {'shape':<11} {'GB/s':>6} {'save':>6} {'load':>6}  "
-        f"{'baseline':<8} {'GB/s':>6} {'ratio':>6} {'lookup10k':>10}"
+        f"{'baseline':<8} {'GB/s':>6} {'ratio':>6} {'added':>10} {'lookup10k':>10}"
     )
     lines = [head, "-" * len(head)]
     for rec in records:
@@ -148,10 +148,12 @@ def _table(records: Sequence[BenchRecord]) -> str:
             lines.append(f"{rec.backend:<10} {rec.shape:<11} error: {rec.error}")
             continue
         lookup = f"{rec.lookup_ms_10k:.2f} ms" if rec.lookup_ms_10k is not None else "-"
+        added = f"{rec.added_us:.0f} us" if rec.added_us is not None else "-"
         lines.append(
             f"{rec.backend:<10} {rec.shape:<11} {rec.gbps:>6.2f} {rec.save_gbps:>6.2f} "
             f"{rec.load_gbps:>6.2f}  {rec.baseline:<8} {rec.baseline_gbps:>6.2f} {rec.ratio:>6.2f} "
-            f"{lookup:>10}"
+            f"{added:>10} {lookup:>10}"
         )
     lines.append("GB/s = batch bytes / (save + load time); ratio = GB/s / baseline GB/s")
+    lines.append("added = median save+load time minus the baseline's, per batch")
     return "\n".join(lines)
