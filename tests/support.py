@@ -24,6 +24,7 @@ from kvmux.connector import Connector
 from kvmux.handle import TransferResult
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.layout import KVLayout
+from kvmux.testing.lifetime import die_with_parent
 from kvmux.testing.peer import block_bytes
 
 
@@ -192,8 +193,10 @@ def listening_process(
     argv: list[str], port: int, what: str, start_s: float
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` until it listens on 127.0.0.1:``port``; SIGTERM (then SIGKILL)
-    it by PID at the end, if it still runs."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    it by PID at the end, if it still runs, and with this process if it dies first."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+    )
     try:
         deadline = time.monotonic() + start_s
         while True:

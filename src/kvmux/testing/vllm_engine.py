@@ -25,6 +25,8 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvmux.testing.lifetime import die_with_parent
+
 REPLY = "KVMUX-ENGINE "
 
 ENGINE_ENV = {
@@ -181,17 +183,8 @@ class EngineProcess:
 # ------------------------------------------------------------ the child process
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child process
-    """A test runner killed mid-test must not leave an engine spinning on 2 cores (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _serve(spec: EngineSpec) -> None:  # pragma: no cover - runs in the child process
-    _die_with_parent()
+    die_with_parent()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
