@@ -17,7 +17,6 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvmux.bench.shapes import Shape
@@ -42,13 +41,10 @@ class RawMooncakeRead(AbstractContextManager["RawMooncakeRead"]):
         self._dst = torch.zeros(2 * shape.nbytes, dtype=torch.uint8)
         self._src_engine.register_memory(self._src.data_ptr(), self._src.numel())
         self._dst_engine.register_memory(self._dst.data_ptr(), self._dst.numel())
-        piece = shape.block_nbytes // shape.layers
-        blocks = np.random.default_rng(0).permutation(2 * shape.blocks)[: shape.blocks]
-        n = shape.blocks * shape.layers
-        src_addr = self._src.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(piece)
-        dst_piece = np.repeat(blocks.astype(np.uint64), shape.layers) * np.uint64(shape.layers)
-        dst_piece += np.tile(np.arange(shape.layers, dtype=np.uint64), shape.blocks)
-        dst_addr = self._dst.data_ptr() + dst_piece * np.uint64(piece)
+        src_addr, dst_addr, piece = shape.scattered_pieces(
+            self._src.data_ptr(), self._dst.data_ptr()
+        )
+        n = len(src_addr)
         self._local: list[int] = dst_addr.tolist()
         self._remote: list[int] = src_addr.tolist()
         self._lengths = [piece] * n

@@ -43,13 +43,10 @@ class RawNixlRead(AbstractContextManager["RawNixlRead"]):
             (self._dst_agent, self._dst_agent.register_memory([self._dst])),
         ]
         self._remote = self._dst_agent.add_remote_agent(self._src_agent.get_agent_metadata())
-        piece = shape.block_nbytes // shape.layers
-        blocks = np.random.default_rng(0).permutation(2 * shape.blocks)[: shape.blocks]
-        n = shape.blocks * shape.layers
-        src_addr = self._src.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(piece)
-        dst_piece = np.repeat(blocks.astype(np.uint64), shape.layers) * np.uint64(shape.layers)
-        dst_piece += np.tile(np.arange(shape.layers, dtype=np.uint64), shape.blocks)
-        dst_addr = self._dst.data_ptr() + dst_piece * np.uint64(piece)
+        src_addr, dst_addr, piece = shape.scattered_pieces(
+            self._src.data_ptr(), self._dst.data_ptr()
+        )
+        n = len(src_addr)
         lengths = np.full(n, piece, dtype=np.uint64)
         zeros = np.zeros(n, dtype=np.uint64)
         self._local = np.stack([dst_addr, lengths, zeros], axis=1)

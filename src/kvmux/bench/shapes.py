@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvmux.layout import KVLayout
@@ -39,6 +41,21 @@ class Shape:
 
     def layout(self, caches: dict[str, torch.Tensor]) -> KVLayout:
         return KVLayout.from_caches(caches, block_size=self.tokens)
+
+    def scattered_pieces(
+        self, src_ptr: int, dst_ptr: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], int]:
+        """(source addresses, destination addresses, bytes each) of one piece per
+        block per layer: the source packed, the destination blocks scattered over a
+        buffer twice the shape's size. What the raw-library baselines READ, so that
+        they issue as many pieces as kvmux does."""
+        piece = self.block_nbytes // self.layers
+        blocks = np.random.default_rng(0).permutation(2 * self.blocks)[: self.blocks]
+        n = self.blocks * self.layers
+        src = src_ptr + np.arange(n, dtype=np.uint64) * np.uint64(piece)
+        dst_piece = np.repeat(blocks.astype(np.uint64), self.layers) * np.uint64(self.layers)
+        dst_piece += np.tile(np.arange(self.layers, dtype=np.uint64), self.blocks)
+        return src, dst_ptr + dst_piece * np.uint64(piece), piece
 
 
 SHAPES = {

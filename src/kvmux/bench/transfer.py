@@ -81,28 +81,9 @@ def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord
         measures: dict[str, Callable[[], float]] = {
             b: functools.partial(BASELINES[b], shape.nbytes) for b in baselines if b in BASELINES
         }
-        if "nixl" in baselines:
-            from kvmux.bench.nixl_baseline import RawNixlRead
-
-            raw = stack.enter_context(RawNixlRead(shape))
-
-            def raw_nixl() -> float:
-                save_s, load_s = raw.save_load_seconds()
-                load_times.append(load_s)
-                return save_s + load_s
-
-            measures["nixl"] = raw_nixl
-        if "mooncake" in baselines:
-            from kvmux.bench.mooncake_baseline import RawMooncakeRead
-
-            raw_mc = stack.enter_context(RawMooncakeRead(shape))
-
-            def raw_mooncake() -> float:
-                save_s, load_s = raw_mc.save_load_seconds()
-                load_times.append(load_s)
-                return save_s + load_s
-
-            measures["mooncake"] = raw_mooncake
+        for b in RAW_BASELINES:
+            if b in baselines:
+                measures[b] = _raw_measure(stack.enter_context(_raw_reader(b, shape)), load_times)
 
         def measure_baselines() -> None:
             for b in baselines:
@@ -111,6 +92,28 @@ def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord
         return _bench_records(
             name, shape, repeats, baselines, base_times, load_times, measure_baselines
         )
+
+
+def _raw_reader(baseline: str, shape: Shape) -> Any:
+    """The raw library's own transfer of ``shape`` (imported only when measured)."""
+    if baseline == "nixl":
+        from kvmux.bench.nixl_baseline import RawNixlRead
+
+        return RawNixlRead(shape)
+    from kvmux.bench.mooncake_baseline import RawMooncakeRead
+
+    return RawMooncakeRead(shape)
+
+
+def _raw_measure(raw: Any, load_times: list[float]) -> Callable[[], float]:
+    """One raw save+load in seconds, keeping its load part for ``baseline_load_gbps``."""
+
+    def measure() -> float:
+        save_s, load_s = raw.save_load_seconds()
+        load_times.append(load_s)
+        return float(save_s + load_s)
+
+    return measure
 
 
 def _bench_records(
