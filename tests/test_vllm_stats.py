@@ -18,7 +18,7 @@ from kvmux.adapters.vllm.connector import KvmuxConnector
 from kvmux.adapters.vllm.stats import LEVELS_KEY, KvmuxPromMetrics, KvmuxStats, worker_report
 from kvmux.models import tiny_model
 from kvmux.stats import is_level
-from vllm_harness import BLOCK, FakeEngine
+from vllm_harness import BLOCK, FakeEngine, producer_and_consumer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,15 +153,8 @@ def test_a_worker_reports_nothing_when_nothing_changed_and_all_levels_when_one_d
 
 @pytest.fixture
 def pd_pair() -> Iterator[tuple[FakeEngine, FakeEngine]]:
-    model_dir = tiny_model()
-    made: list[FakeEngine] = []
-    try:
-        made.append(FakeEngine(model_dir, {"backend": "tcp"}, role="kv_producer"))
-        made.append(FakeEngine(model_dir, {"backend": "tcp"}, role="kv_consumer"))
-        yield made[0], made[1]
-    finally:
-        for engine in made:
-            engine.close()
+    with producer_and_consumer(tiny_model(), {"backend": "tcp"}) as pair:
+        yield pair
 
 
 def test_the_producers_gauges_follow_its_backend_when_a_consumer_comes_and_goes(
