@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +194,22 @@ def test_the_producers_gauges_follow_its_backend_when_a_consumer_comes_and_goes(
     assert levels["server_connections"] == 0 and levels["blocks_stored"] == 6
     assert {k: exported.level(k) for k in levels} == levels
     assert exported.counter("save_blocks_ok") == backend.stats()["save_blocks_ok"]
+
+
+def test_the_demos_log_totals_add_up_counters_and_leave_levels_out(tmp_path: Path) -> None:
+    from kvmux.demo.run import transfer_totals
+
+    lines = [
+        KvmuxStats(data=Worker("0").report(load_blocks_ok=2, load_bytes=8, load_seconds=1.0)),
+        KvmuxStats(data={"load_blocks_ok": 3, LEVELS_KEY: {"0": {"blocks_stored": 5}}}),
+    ]
+    log = tmp_path / "decode.log"
+    log.write_text(
+        "".join(
+            "INFO [loggers.py:1] KV Transfer metrics: "
+            + ", ".join(f"{k}={v}" for k, v in line.reduce().items())
+            + "\n"
+            for line in lines
+        )
+    )
+    assert transfer_totals(log) == {"load_blocks_ok": 5, "load_bytes": 8, "load_seconds": 1.0}
