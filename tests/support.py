@@ -87,8 +87,8 @@ def fake_dist(tmp_path: Path) -> FakeDist:
 
 def run_python(code: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    if pythonpath is not None:  # in front of the caller's own (a worktree's src, say)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,

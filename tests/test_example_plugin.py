@@ -33,7 +33,8 @@ class Installed:
     source: Path
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": str(self.site)}
+        path = os.pathsep.join(filter(None, [str(self.site), os.environ.get("PYTHONPATH")]))
+        return {**os.environ, "PYTHONPATH": path}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,10 @@ def runs(installed: Installed) -> Iterator[dict[str, subprocess.CompletedProcess
         for name in NAMES
     }
     commands["own-tests"] = ([*suite, str(installed.source / "tests")], installed.source)
-    commands["list"] = ([sys.executable, "-m", "kvmux.cli.main", "list", "--json"], installed.site)
+    commands["list"] = (
+        [sys.executable, "-m", "kvmux.cli.main", "list", "--json", "--check"],
+        installed.site,
+    )
     procs = {
         name: subprocess.Popen(
             cmd,

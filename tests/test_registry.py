@@ -116,6 +116,34 @@ def test_broken_plugin_is_listed_unavailable_and_breaks_nothing(fake_dist: FakeD
     assert "cpu ok CpuPoolConnector" in proc.stdout
 
 
+def test_default_listing_never_calls_an_unimported_plugin_available(
+    fake_dist: FakeDist,
+) -> None:
+    site = fake_dist(
+        "kvmux-broken",
+        {"kvmux.connectors": {"broken": "kvmux_broken:Broken"}},
+        {"kvmux_broken/__init__.py": "raise RuntimeError('boom at import')\n"},
+    )
+    proc = kvmux_cli("list", "--json", pythonpath=site)
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
+    assert rows[("connectors", "broken")]["available"] is None
+    assert rows[("connectors", "broken")]["reason"] is None
+    assert all(r["available"] is not True for r in rows.values())
+
+    proc = kvmux_cli("list", pythonpath=site)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if " broken " in x)
+    assert line.endswith("installed (not checked)") and "available" not in line
+    assert "`kvmux list --check` imports each" in proc.stdout
+
+    proc = kvmux_cli("list", "--check", "--group", "connectors", pythonpath=site)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if " broken " in x)
+    assert "unavailable: importing kvmux_broken:Broken failed" in line
+    assert "not checked" not in proc.stdout
+
+
 def test_missing_extra_is_unavailable_with_install_hint(fake_dist: FakeDist) -> None:
     site = fake_dist(
         "kvmux-needs-extra",
@@ -150,12 +178,22 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
         {"kvmux.connectors": {"dup": "alpha_kv:Mine", "cpu": "alpha_kv:Mine"}},
         {"alpha_kv.py": module},
     )
-    proc = kvmux_cli("list", "--json", pythonpath=site)
+    expected_losers = {("dup", "zeta-kv", "alpha-kv"), ("cpu", "alpha-kv", "kvmux")}
+    proc = kvmux_cli("list", "--json", "--check", pythonpath=site)
     rows = [r for r in json.loads(proc.stdout) if r["name"] in ("dup", "cpu")]
     winners = {(r["name"], r["distribution"]) for r in rows if r["available"]}
     assert winners == {("dup", "alpha-kv"), ("cpu", "kvmux")}
     losers = {(r["name"], r["distribution"], r["shadowed_by"]) for r in rows if not r["available"]}
-    assert losers == {("dup", "zeta-kv", "alpha-kv"), ("cpu", "alpha-kv", "kvmux")}
+    assert losers == expected_losers
+
+    proc = kvmux_cli("list", "--json", pythonpath=site)  # metadata alone shows the shadowing
+    rows = [r for r in json.loads(proc.stdout) if r["name"] in ("dup", "cpu")]
+    unchecked = {(r["name"], r["distribution"]) for r in rows if r["available"] is None}
+    assert unchecked == {("dup", "alpha-kv"), ("cpu", "kvmux")}
+    losers = {
+        (r["name"], r["distribution"], r["shadowed_by"]) for r in rows if r["available"] is False
+    }
+    assert losers == expected_losers
 
     proc = run_python(
         """

@@ -9,9 +9,10 @@ a block that was never computed or loaded holds zeros.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,18 @@ def expected_block(tokens: list[int], index: int) -> torch.Tensor:
     """The KV a block must hold once computed (or loaded) for ``tokens``."""
     chunk = tokens[index * BLOCK : (index + 1) * BLOCK]
     return torch.tensor([kv_value(t, index * BLOCK + i) for i, t in enumerate(chunk)])
+
+
+@contextlib.contextmanager
+def producer_and_consumer(
+    model_dir: Path, extra_config: dict[str, Any]
+) -> Iterator[tuple[FakeEngine, FakeEngine]]:
+    """A ``kv_producer`` and a ``kv_consumer`` engine on one backend config; both closed after."""
+    made: list[FakeEngine] = []
+    try:
+        made.append(FakeEngine(model_dir, extra_config, role="kv_producer"))
+        made.append(FakeEngine(model_dir, extra_config, role="kv_consumer"))
+        yield made[0], made[1]
+    finally:
+        for engine in made:
+            engine.close()

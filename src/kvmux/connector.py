@@ -165,6 +165,9 @@ class Connector(ABC):
         return Health(True)
 
     def stats(self) -> dict[str, float]:
+        """Numbers for operators: counters that only grow, and the levels declared
+        in ``kvmux.stats.LEVELS`` (a stat that can fall must be declared there, or
+        aggregators treat it as a counter and lose its drops)."""
         return self._stats.snapshot()
 
     def close(self) -> None:

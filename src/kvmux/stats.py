@@ -1,11 +1,47 @@
-"""Counters every connector keeps, so operators see the same numbers for every backend."""
+"""What ``Connector.stats()`` reports: counters every connector keeps, and levels.
+
+A stat is a *counter* (it only grows: calls, bytes, blocks moved, evictions)
+unless its name is declared in :data:`LEVELS`: a *level* is a reading of the
+present (blocks held, connections open) that goes down as well as up. The
+difference matters to whoever aggregates: counters are summed as deltas,
+levels are replaced by their latest value (vLLM's adapter exports them to
+Prometheus as gauges). This table is the one place a level is declared; a
+backend that reports a new one adds it here.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
 
 from kvmux.handle import Status, TransferResult
+
+LEVELS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "blocks_stored": "blocks the backend holds now",
+        "bytes_stored": "bytes the backend holds now",
+        "capacity_blocks": "most blocks it can hold",
+        "pinned_blocks": "blocks pinned for peers to pull (not evictable until released)",
+        "server_connections": "peer connections its server has open",
+        "nixl_leases": "published batches NIXL peers may still read",
+        "mooncake_pinned_slots": "pool slots pinned for Mooncake peers to read",
+        "blocks": "blocks a tier of a tiered composition holds (tier.<i>.blocks)",
+        "staging_blocks_free": "free blocks of a tiered composition's staging area",
+        "breaker_state": "a child's circuit breaker: 0 closed, 1 half-open, 2 open",
+    }
+)
+"""Every level stat, by the last dotted part of its name, with what it measures.
+
+Compositions prefix their children's stats (``child.1.backend.blocks_stored``,
+``tier.0.capacity_blocks``); the prefix does not change what a stat is."""
+
+
+def is_level(name: str) -> bool:
+    """Whether the stat ``name`` is a level (see :data:`LEVELS`) rather than a counter."""
+    return name.rpartition(".")[2] in LEVELS
 
 
 class Stats:

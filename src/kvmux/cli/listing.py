@@ -1,4 +1,15 @@
-"""``kvmux list``: every declared backend, its owner, and whether it can load here."""
+"""``kvmux list``: every declared backend, its owner, and whether it can load here.
+
+The listing never claims more than it has seen. Without ``--check`` it reads
+package metadata only (fast, imports nothing), which can prove a backend
+*cannot* load (a missing extra or package) but never that it *can*: a plugin
+whose import raises looks installed. So each row's ``available`` is
+
+* ``true``: imported in this run (``--check``);
+* ``false``: cannot load here; ``reason`` says why and what to install;
+* ``null``: installed, nothing known against it, not imported (the table
+  says ``installed (not checked)``).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +19,16 @@ from typing import Any
 
 from kvmux.registry.entries import GROUPS, BackendEntry, scan_all
 
+NOT_CHECKED = "installed (not checked)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print a JSON array")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print a JSON array; "available" is true (imported), false (cannot load: see '
+        '"reason") or null (installed, not checked)',
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -24,14 +42,14 @@ def records(check: bool = False, group: str | None = None) -> list[dict[str, Any
     for entry in scan_all():
         if group is not None and entry.group != group:
             continue
-        reason = _reason(entry, check)
+        available, reason = _availability(entry, check)
         out.append(
             {
                 "name": entry.name,
                 "group": entry.group,
                 "distribution": entry.distribution,
                 "version": entry.version,
-                "available": reason is None,
+                "available": available,
                 "reason": reason,
                 "entry_point": entry.value,
                 "shadowed_by": entry.shadowed_by,
@@ -40,13 +58,17 @@ def records(check: bool = False, group: str | None = None) -> list[dict[str, Any
     return out
 
 
-def _reason(entry: BackendEntry, check: bool) -> str | None:
+def _availability(entry: BackendEntry, check: bool) -> tuple[bool | None, str | None]:
+    """``(available, reason)`` as the module docstring defines them."""
     reason = entry.unavailable_reason()
-    if not check or reason is not None:
-        return reason
+    if reason is not None:
+        return False, reason
+    if not check:
+        return None, None
     from kvmux.registry.loader import load_check  # imports stevedore only when asked
 
-    return load_check(entry)
+    reason = load_check(entry)
+    return reason is None, reason
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(_table(rows))
+    if any(r["available"] is None for r in rows):
+        print(
+            f"\n{NOT_CHECKED}: metadata only; `kvmux list --check` imports each to confirm it loads"
+        )
     return 0
 
 
@@ -66,10 +92,16 @@ def _table(rows: list[dict[str, Any]]) -> str:
             r["name"],
             r["distribution"],
             r["version"],
-            "available" if r["available"] else f"unavailable: {r['reason']}",
+            _status(r),
         )
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=False)][:4]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
     return "\n".join(fmt.format(*line) for line in [header, *lines])
+
+
+def _status(row: dict[str, Any]) -> str:
+    if row["available"] is None:
+        return NOT_CHECKED
+    return "available" if row["available"] else f"unavailable: {row['reason']}"

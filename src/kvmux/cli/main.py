@@ -23,19 +23,24 @@ _COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The command line; only the ``chosen`` subcommand's module is imported (to add
+    its arguments). The others appear by name and help text alone, so ``kvmux
+    --help`` imports no subcommand module: ``bench``'s pulls in torch (~1.5 s).
+    """
     parser = argparse.ArgumentParser(
         prog="kvmux", description="Move LLM KV cache blocks through any backend, by name."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in _COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(cmd)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(cmd)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser_for(argv).parse_args(argv)
+    args = build_parser(_chosen(argv)).parse_args(argv)
     try:
         code: int = importlib.import_module(_COMMANDS[args.command][0]).run(args)
     except KvmuxError as exc:
@@ -47,19 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _parser_for(argv: Sequence[str] | None) -> argparse.ArgumentParser:
-    """Only the chosen subcommand's module is imported to build its arguments."""
+def _chosen(argv: Sequence[str] | None) -> str | None:
+    """The subcommand named on the command line, if any (kvmux itself takes no options
+    with values, so it is the first word that is not an option)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    chosen = next((a for a in args if not a.startswith("-")), None)
-    if chosen not in _COMMANDS:
-        return build_parser()
-    parser = argparse.ArgumentParser(prog="kvmux")
-    sub = parser.add_subparsers(dest="command", required=True)
-    module, help_text = _COMMANDS[chosen]
-    importlib.import_module(module).add_arguments(
-        sub.add_parser(chosen, help=help_text, description=help_text)
-    )
-    return parser
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """``kvmux proxy``: serve the prefill/decode proxy (:mod:`kvmux.proxy`) until stopped.
 
-Only argparse is imported at module level: ``kvmux --help`` builds every
-subcommand's arguments and must work where the ``proxy`` extra (aiohttp) is
-not installed.
+Only argparse is imported at module level: ``kvmux proxy --help`` must work
+where the ``proxy`` extra (aiohttp) is not installed.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvmux.demo.servers import ProxyThread, VllmServer
 from kvmux.errors import KvmuxError
 from kvmux.models import TinyModelSpec, random_prompts, tiny_model
+from kvmux.stats import is_level
 
 #: vLLM's CPU block size; passed explicitly so the layout arithmetic below holds.
 BLOCK_SIZE = 128
@@ -372,7 +373,8 @@ _METRICS = re.compile(r"KV Transfer metrics: (.*)$", re.MULTILINE)
 def transfer_totals(log_path: Path) -> dict[str, float]:
     """Sum of every ``KV Transfer metrics`` line in a server log (each covers one interval).
 
-    Derived rates (``*_GBps``) are skipped: they do not add up.
+    Derived rates (``*_GBps``) and levels (``kvmux.stats.LEVELS``) are skipped: they
+    do not add up.
     """
     totals: dict[str, float] = {}
     try:
@@ -382,7 +384,7 @@ def transfer_totals(log_path: Path) -> dict[str, float]:
     for match in _METRICS.finditer(text):
         for item in match.group(1).split(","):
             name, _, value = item.strip().partition("=")
-            if not name or name.endswith("_GBps"):
+            if not name or name.endswith("_GBps") or is_level(name):
                 continue
             with contextlib.suppress(ValueError):
                 totals[name] = totals.get(name, 0.0) + float(value)

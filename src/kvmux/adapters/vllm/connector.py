@@ -59,6 +59,7 @@ class KvmuxConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 can_load=bool(transfer.is_kv_consumer),
                 can_save=bool(transfer.is_kv_producer),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
             )
         else:
             self._worker = WorkerSide(

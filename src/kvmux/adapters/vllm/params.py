@@ -3,9 +3,16 @@
 vLLM's P/D convention (shared by its NixlConnector and the proxies written for
 it): the proxy sends the prefill request with ``do_remote_decode: true``; the
 prefill instance answers with params that the proxy passes, untouched, to the
-decode request, which then finds ``do_remote_prefill: true``. kvmux keeps the
-standard fields so those proxies work unchanged and puts what it needs under
+decode request, which then finds ``do_remote_prefill: true``. kvmux fills the
+standard fields wherever they mean something for it, so routers written for
+NixlConnector read them unchanged, and puts what its consumer needs under
 ``kvmux``. Everything is validated: these params come from the network.
+
+From NixlConnector's set, kvmux leaves out ``remote_blocks_expiry_time`` (a
+time on the producer's own monotonic clock, meaningless to anyone else; kvmux
+holds blocks for its ``lease_s``), ``transfer_mode`` (it selects
+NixlConnector's own code path) and ``dcp_size``/``pp_size`` (kvmux keys
+blocks per tensor-parallel rank only).
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ class TransferParams(BaseModel):
     remote_engine_id: str | None = None
     remote_host: str | None = None
     remote_port: int | None = None
+    remote_block_ids: list[int] | None = Field(
+        None,
+        description="the prefill engine's blocks that held the prompt's KV when it finished "
+        "(as NixlConnector reports them); kvmux's consumer loads by key and never reads them, "
+        "and the prefill engine reuses them once its saves have ended",
+    )
+    remote_request_id: str | None = Field(None, description="the request's id on the prefill")
+    remote_num_tokens: int | None = Field(
+        None, ge=0, description="prompt tokens whose KV the prefill published"
+    )
+    tp_size: int | None = Field(None, ge=1, description="the prefill's tensor-parallel size")
     kvmux: Published | None = None
     prompt_token_ids: list[int] | None = Field(
         None, description="the prompt as the prefill tokenised it; proxies may send it to decode"

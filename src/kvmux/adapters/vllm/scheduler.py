@@ -56,8 +56,10 @@ class SchedulerSide:
         block_size: int,
         can_load: bool,
         can_save: bool,
+        tp_size: int = 1,
     ) -> None:
         self.backend = backend
+        self.tp_size = tp_size
         self.options = options
         self.engine_id = engine_id
         self.namespace = namespace
@@ -262,7 +264,7 @@ class SchedulerSide:
         if tracked is None or tracked.loading:
             # vLLM itself keeps the blocks of a request whose load is in flight.
             return False, None
-        params = self._params_for_decode(tracked) if tracked.published else None
+        params = self._params_for_decode(tracked, block_ids) if tracked.published else None
         delay = not self._saves_ended(request.request_id, tracked)
         if delay:
             self._next.delay_freed.append(request.request_id)
@@ -274,7 +276,7 @@ class SchedulerSide:
         worker = live.find(self.engine_id)
         return worker is not None and worker.saves_ended(req_id, tracked.saves_planned)
 
-    def _params_for_decode(self, tracked: _Tracked) -> dict[str, Any]:
+    def _params_for_decode(self, tracked: _Tracked, block_ids: list[int]) -> dict[str, Any]:
         """The ``kv_transfer_params`` a proxy passes to the decode instance."""
         request = tracked.request
         n = request.num_prompt_tokens
@@ -289,6 +291,10 @@ class SchedulerSide:
             remote_engine_id=self.engine_id,
             remote_host=host if isinstance(host, str) else None,
             remote_port=port if isinstance(port, int) else None,
+            remote_block_ids=list(block_ids[: -(-n // self.block_size)]),
+            remote_request_id=request.request_id,
+            remote_num_tokens=n,
+            tp_size=self.tp_size,
             kvmux=Published(
                 backend=self.backend.backend,
                 source=address,

@@ -21,7 +21,7 @@ import torch
 from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
-from kvmux.adapters.vllm.stats import delta
+from kvmux.adapters.vllm.stats import worker_rank, worker_report
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
 from kvmux.errors import LayoutError
@@ -226,9 +226,9 @@ class WorkerSide:
         return {**self.connector.stats(), **self._adapter_counts}
 
     def stats_delta(self) -> dict[str, Any]:
-        """What changed since the last call: vLLM sums per-step reports itself."""
+        """What changed since the last call (``stats.worker_report``): vLLM merges reports."""
         now = self.stats()
-        changed = delta(now, self._reported)
+        changed = worker_report(now, self._reported, worker_rank())
         self._reported = now
         return changed
 
