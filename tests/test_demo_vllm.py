@@ -15,12 +15,16 @@ needs no vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -108,6 +112,137 @@ def _text(seed: int, sentences: int = 40) -> str:
 
     rng = random.Random(seed)
     return " ".join(rng.choice(CORPUS) for _ in range(sentences))
+
+
+# ------------------------------------------------------------ clients that give up
+
+
+#: vLLM's own series these tests read, by the name ``_counters`` gives them.
+_SERIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+}
+_COMPLETIONS = "/v1/completions"
+
+
+def _counters(url: str) -> dict[str, float]:
+    """Request gauges, token counters, finished requests by reason (``finished_length``
+    ...) and HTTP requests to completions (``http_completions``), from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name in _SERIES:
+                key = sample.name
+            elif sample.name == "vllm:request_success_total":
+                key = f"finished_{labels['finished_reason']}"
+            elif sample.name == "http_requests_total" and labels.get("handler") == _COMPLETIONS:
+                key = "http_completions"
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _send(url: str, body: dict[str, object]) -> socket.socket:
+    """A client that sends one request and reads nothing yet; closing it is giving up."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=10)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {_COMPLETIONS} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
+    """Poll ``check`` until it holds; the seconds it took."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _idle(url: str) -> bool:
+    now = _counters(url)
+    return (
+        now.get("vllm:num_requests_running", 0) == 0
+        and now.get("vllm:num_requests_waiting", 0) == 0
+    )
+
+
+def _generated(url: str, counters: dict[str, float] | None = None) -> float:
+    return (counters or _counters(url))["vllm:generation_tokens_total"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_gives_up_stops_decode_generating(
+    demo_cluster: Cluster, stream: bool
+) -> None:
+    """Decode is generating a long answer; the client leaves; decode stops within seconds
+    instead of generating all ``max_tokens`` (plain vLLM stops in ~50 ms)."""
+    from kvmux.demo.run import MAX_MODEL_LEN, request_body
+
+    decode = demo_cluster.decode.url
+    _wait_for("decode idle before the test", lambda: _idle(decode), 30)
+    prompt = random_prompts(1, 200, seed=202, vocab_size=demo_cluster.spec.vocab_size)[0]
+    max_tokens = MAX_MODEL_LEN - len(prompt)
+    before = _counters(decode)
+    client = _send(demo_cluster.proxy_url, request_body(prompt, max_tokens, stream=stream))
+    try:
+        _wait_for("decode generating", lambda: _generated(decode) > _generated(decode, before), 60)
+        time.sleep(0.3)
+        at_leave = _generated(decode)
+    finally:
+        client.close()
+    took = _wait_for("decode stopped after the client left", lambda: _idle(decode), 5)
+    after = _counters(decode)
+    tokens = _generated(decode, after) - _generated(decode, before)
+    print(
+        f"\n{stream=}: decode stopped {took:.2f} s after the client left, "
+        f"{_generated(decode, after) - at_leave:g} tokens later, {tokens:g} of {max_tokens} in all"
+    )
+    assert tokens < max_tokens, "decode generated the whole answer for nobody"
+    assert after["finished_length"] == before["finished_length"]
+    assert after["finished_stop"] == before["finished_stop"]
+
+
+def test_a_client_gone_during_prefill_never_reaches_decode(demo_cluster: Cluster) -> None:
+    """A long prompt (prefill takes ~0.5 s here) and a client that leaves 0.1 s after
+    sending it: prefill is aborted, decode is never asked."""
+    from kvmux.demo.run import MAX_MODEL_LEN, request_body
+
+    prefill, decode = demo_cluster.prefill.url, demo_cluster.decode.url
+    _wait_for("prefill and decode idle", lambda: _idle(prefill) and _idle(decode), 30)
+    prompt = random_prompts(
+        1, MAX_MODEL_LEN - 16, seed=303, vocab_size=demo_cluster.spec.vocab_size
+    )[0]
+    before_p, before_d = _counters(prefill), _counters(decode)
+    client = _send(demo_cluster.proxy_url, request_body(prompt, 16, stream=False))
+    time.sleep(0.1)
+    client.close()
+    _wait_for(
+        "prefill saw the request",
+        lambda: _counters(prefill).get("http_completions", 0) > before_p.get("http_completions", 0),
+        10,
+    )
+    _wait_for("prefill idle", lambda: _idle(prefill), 10)
+    time.sleep(2.0)  # long past the moment decode would have been asked
+    after_p, after_d = _counters(prefill), _counters(decode)
+    assert after_p["finished_length"] == before_p["finished_length"], "prefill ran to its end"
+    assert after_d.get("http_completions", 0) == before_d.get("http_completions", 0)
+    assert after_d["vllm:prompt_tokens_total"] == before_d["vllm:prompt_tokens_total"]
+    assert _idle(decode)
 
 
 # ------------------------------------------------------------ transfer-only demo

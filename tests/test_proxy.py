@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -28,6 +29,7 @@ from kvmux.proxy import (
     ProxyConfig,
     ProxyConfigError,
     config_from_flags,
+    create_app,
     decode_body,
     running,
     running_app,
@@ -69,6 +71,9 @@ class FakeVllm:
     #: fake holds the rest of the stream back until then.
     first_chunk_seen: asyncio.Event | None = None
     held_back: bool | None = None
+    #: Set when a request's connection closed before its answer was complete
+    #: (aiohttp cancels the handler, as vLLM's server aborts the request).
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -81,6 +86,13 @@ class FakeVllm:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.got.append(Got(request.path, body, request.headers.copy()))
+        try:
+            return await self._respond(request, body)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def _respond(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         await asyncio.sleep(self.delay_s)
         chat = request.path.endswith("chat/completions")
         params = body.get("kv_transfer_params")
@@ -400,6 +412,97 @@ async def test_malformed_client_body_is_a_400_in_openai_shape(raw: bytes, says: 
     assert says in answer["error"]["message"]
     assert answer["error"]["type"] == "invalid_request_error"
     assert s.prefill[0].got == []
+
+
+# -- clients that go away -------------------------------------------------------------
+
+
+async def send_then_leave(url: str, path: str, body: dict[str, Any], leave_after_s: float) -> None:
+    """A client that sends one request, reads nothing and disconnects after ``leave_after_s``."""
+    parts = urlsplit(url)
+    _, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    await asyncio.sleep(leave_after_s)
+    writer.close()
+    await writer.wait_closed()
+
+
+@in_loop
+async def test_a_client_gone_during_a_whole_decode_closes_the_decode_request() -> None:
+    decode = FakeVllm("d0", delay_s=10)
+    async with stack(decode=[decode]) as s:
+        await send_then_leave(s.url, "/v1/completions", {"prompt": "hi"}, leave_after_s=0.5)
+        left = time.monotonic()
+        await asyncio.wait_for(decode.cancelled.wait(), 3)
+        noticed = time.monotonic() - left
+    assert len(decode.got) == 1
+    assert noticed < 1.0, f"decode was closed {noticed:.2f} s after the client left"
+
+
+@in_loop
+async def test_a_client_gone_during_prefill_closes_it_and_never_reaches_decode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvmux.proxy")
+    prefill = FakeVllm("p0", delay_s=1.0)
+    async with stack(prefill=[prefill]) as s:
+        await send_then_leave(s.url, "/v1/completions", {"prompt": "hi"}, leave_after_s=0.3)
+        await asyncio.wait_for(prefill.cancelled.wait(), 3)
+        await asyncio.sleep(1.0)  # past the moment prefill would have answered
+    assert len(prefill.got) == 1
+    assert s.decode[0].got == []
+    assert any(
+        "cancelled" in r.getMessage() and "prefill upstream" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@in_loop
+async def test_a_client_gone_mid_stream_closes_the_decode_stream() -> None:
+    decode = FakeVllm("d0", first_chunk_seen=asyncio.Event())  # holds chunk 1 back for 3 s
+    async with stack(decode=[decode]) as s:
+        body = {"prompt": "hello", "max_tokens": 8, "stream": True}
+        async with s.client.post(s.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+            resp.close()  # the client leaves with the stream half read
+        await asyncio.wait_for(decode.cancelled.wait(), 2)
+    assert decode.held_back is None, "decode went on streaming after the client left"
+
+
+@in_loop
+async def test_served_without_handler_cancellation_decode_is_still_never_started_for_a_gone_client(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A runner that does not cancel handlers: prefill runs to its end, then the proxy
+    sees its client has gone and does not ask decode."""
+    caplog.set_level(logging.INFO, logger="kvmux.proxy")
+    prefill, decode = FakeVllm("p0", delay_s=0.6), FakeVllm("d0")
+    async with AsyncExitStack() as running_now:
+        p_url = await running_now.enter_async_context(running_app(prefill.app()))
+        d_url = await running_now.enter_async_context(running_app(decode.app()))
+        config = ProxyConfig(prefill=[p_url], decode=[d_url], port=0)
+        runner = web.AppRunner(create_app(config))  # aiohttp's default: no cancellation
+        await runner.setup()
+        running_now.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        await send_then_leave(url, "/v1/completions", {"prompt": "hi"}, leave_after_s=0.2)
+        deadline = time.monotonic() + 5
+        while not any("not asked" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the proxy never noticed its client had gone"
+            await asyncio.sleep(0.05)
+    assert len(prefill.got) == 1
+    assert decode.got == []
+    (note,) = [r.getMessage() for r in caplog.records if "not asked" in r.getMessage()]
+    assert "client went away; decode upstream" in note
 
 
 # -- other endpoints -----------------------------------------------------------------

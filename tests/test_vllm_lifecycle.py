@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvmux.adapters.vllm.config import ExtraConfigError
 from kvmux.adapters.vllm.connector import KvmuxConnector
 from kvmux.adapters.vllm.keys import RequestKeys
 from kvmux.connector import Address
@@ -212,13 +213,18 @@ def test_blocks_that_fail_to_load_follow_vllms_failure_policy(engines, model_dir
 
 
 def test_an_unknown_backend_fails_engine_start_with_a_did_you_mean(model_dir):
-    with pytest.raises(UnknownBackendError, match="Did you mean 'shm'"):
+    """Refused while vLLM builds its config (preflight), before any connector exists."""
+    with pytest.raises(ExtraConfigError, match="Did you mean 'shm'") as info:
         FakeEngine(model_dir, {"backend": "shn"})
+    assert isinstance(info.value.__cause__, UnknownBackendError)
+    assert "kv_connector_extra_config.backend" in str(info.value)
 
 
 def test_a_bad_adapter_option_names_its_path(model_dir):
-    with pytest.raises(ConfigError, match=r"vllm\.lease_s"):
+    with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.vllm\.lease_s") as info:
         FakeEngine(model_dir, {"backend": "cpu", "vllm": {"lease_s": -1}})
+    assert isinstance(info.value.__cause__, ConfigError)
+    assert "(got -1)" in str(info.value)
 
 
 def test_prefill_params_for_other_tokens_are_refused_not_loaded(engines, model_dir):

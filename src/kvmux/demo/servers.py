@@ -134,6 +134,15 @@ class VllmServer:
                 raise ServerError(self._failure(f"was not healthy after {timeout_s:.0f} s"))
             time.sleep(0.5)
 
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit status once the server's process ends, or None if it still runs
+        after ``timeout_s`` (for servers expected to refuse their config)."""
+        if self._proc is None:
+            raise ServerError(f"{self.name} was never started")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self._proc.wait(timeout_s)
+        return None
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:

@@ -9,7 +9,16 @@ It must never be the reason a client hangs or waits longer than it has to:
 * an upstream that cannot be reached is a 502 naming it; an upstream that
   answers with an error has its status and body passed through unchanged;
 * a streamed answer is relayed chunk by chunk as decode produces it, never
-  buffered, and a client that goes away closes the decode request with it.
+  buffered;
+* a client that goes away, streamed or not, takes its upstream request with
+  it: the proxy closes that connection (which is how vLLM's server notices and
+  aborts the request) and never starts decode for a client that has gone.
+
+The last point needs aiohttp to cancel a handler whose client disconnects
+(``handler_cancellation=True`` on the runner, which
+:func:`kvmux.proxy.running_app` sets): otherwise a handler cannot notice
+while it awaits a whole, non-streamed answer. Without it the proxy still
+checks before each upstream request that its client is there.
 
 One ``aiohttp.ClientSession`` (one connection pool) serves the whole app; it
 is opened when the app starts and closed when it is cleaned up.
@@ -148,7 +157,9 @@ class Proxy:
         headers = self._headers(request, request_id)
         prefill, decode = self.prefill.next(), self.decode.next()
         path = PATHS[endpoint]
+        stage = prefill
         try:
+            _ensure_client(request, prefill, request_id)
             payload = await self._exchange(
                 "POST", prefill, path, prefill_body(body), headers, deadline, request_id
             )
@@ -156,11 +167,18 @@ class Proxy:
             if params is None:
                 self._warn_no_params(prefill)
             out = decode_body(body, endpoint, params)
+            stage = decode
+            _ensure_client(request, decode, request_id)
             if wants_stream(body):
                 return await self._relay_stream(request, decode, path, out, headers, deadline)
             return await self._exchange("POST", decode, path, out, headers, deadline, request_id)
         except _Answer as answer:
             return answer.response
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when its client disconnects (or the proxy stops);
+            # unwinding closes the upstream connection, and vLLM aborts the request.
+            log.info("request %s cancelled: its request to %s was closed", request_id, stage)
+            raise
 
     async def _exchange(
         self,
@@ -237,11 +255,14 @@ class Proxy:
                     break
                 if not await _write(out, chunk):
                     log.info("client went away while streaming request %s", request_id)
-                    return out  # releasing resp closes the decode request too
+                    resp.close()  # closing the connection is what makes vLLM abort
+                    return out
             with contextlib.suppress(ConnectionResetError):  # client left after [DONE]
                 await out.write_eof()
             return out
         finally:
+            # A stream not read to its end (client gone, handler cancelled) is closed,
+            # not pooled: release() closes any connection whose response is unfinished.
             resp.release()
 
     # -- helpers -------------------------------------------------------------------
@@ -294,7 +315,8 @@ PROXY_KEY = web.AppKey("kvmux_proxy", Proxy)
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy as an aiohttp application (serve it with :func:`kvmux.proxy.running`)."""
+    """The proxy as an aiohttp application: serve it with :func:`kvmux.proxy.running`, or
+    with a runner given ``handler_cancellation=True`` (see the module doc)."""
     proxy = Proxy(config)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[PROXY_KEY] = proxy
@@ -345,6 +367,20 @@ def _failure(upstream: Upstream, exc: BaseException) -> tuple[int, str, str]:
 
 def _upstream_failed(upstream: Upstream, exc: BaseException, request_id: str) -> web.Response:
     return error_response(*_failure(upstream, exc), request_id)
+
+
+#: nginx's "client closed request": what the access log shows; nobody reads the body.
+CLIENT_CLOSED = 499
+
+
+def _ensure_client(request: web.Request, upstream: Upstream, request_id: str) -> None:
+    """Raise :class:`_Answer` if the client has gone: ``upstream`` is then never asked."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        return
+    log.info("request %s: client went away; %s not asked", request_id, upstream)
+    message = f"client closed the request before {upstream} was asked"
+    raise _Answer(error_response(CLIENT_CLOSED, message, "client_closed_request", request_id))
 
 
 async def _write(out: web.StreamResponse, chunk: bytes) -> bool:

@@ -35,9 +35,12 @@ async def running_app(
     """Serve ``app`` on ``host:port`` for the ``async with`` block; yields its base URL.
 
     Any aiohttp app works (the tests serve their fake vLLM servers with it).
-    On exit the app is cleaned up, which closes the proxy's ClientSession.
+    A handler whose client disconnects is cancelled (``handler_cancellation``),
+    as vLLM's own server does: for the proxy this closes the upstream request,
+    which makes vLLM abort it. On exit the app is cleaned up, which closes the
+    proxy's ClientSession.
     """
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
         try:

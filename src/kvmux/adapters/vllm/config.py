@@ -14,10 +14,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmux.config import BackendConfig
-from kvmux.errors import ConfigError
+from kvmux.errors import ConfigError, KvmuxError
 from kvmux.registry import parse_config
 
 ADAPTER_KEY = "vllm"
+#: Where vLLM keeps the object this module reads; error paths start here.
+EXTRA_CONFIG = "kv_connector_extra_config"
 
 
 class AdapterOptions(BaseModel):
@@ -53,7 +55,7 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, 
             None,
             [
                 (
-                    "kv_connector_extra_config.backend",
+                    f"{EXTRA_CONFIG}.backend",
                     'name a kvmux backend, e.g. {"backend": "shm"} (see `kvmux list`)',
                     None,
                 )
@@ -74,3 +76,30 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, 
         raise ConfigError("vllm adapter", problems) from None
     _, _, backend = parse_config(data)
     return backend, options
+
+
+class ExtraConfigError(KvmuxError, RuntimeError):
+    """``kv_connector_extra_config`` that kvmux refuses, found while vLLM builds its config.
+
+    One line naming the full path and the value, so it can be the last line a
+    failing server prints. Not a ``ValueError`` on purpose: vLLM builds its
+    config inside pydantic validation, which turns a ``ValueError`` into a
+    ``ValidationError`` and buries the message under its own lines. The error
+    kvmux found is its ``__cause__``.
+    """
+
+    @classmethod
+    def from_error(cls, exc: KvmuxError) -> ExtraConfigError:
+        if isinstance(exc, ConfigError):
+            problems = "; ".join(
+                f"{_full_path(path)}: {msg} (got {value!r})" for path, msg, value in exc.problems
+            )
+        else:  # the backend name: unknown, or its code cannot be imported here
+            problems = f"{EXTRA_CONFIG}.backend: {exc}"
+        return cls(" ".join(f"invalid kvmux config in {EXTRA_CONFIG}: {problems}".split()))
+
+
+def _full_path(path: str) -> str:
+    if path.startswith(EXTRA_CONFIG):
+        return path
+    return f"{EXTRA_CONFIG}.{path}" if path else EXTRA_CONFIG
