@@ -872,6 +872,20 @@ def test_config_needs_an_upstream_of_each_role_and_drops_trailing_slashes() -> N
     assert config.host == "127.0.0.1"
 
 
+def test_config_refuses_an_upstream_listed_twice() -> None:
+    url = "http://127.0.0.1:8100"
+    with pytest.raises(ProxyConfigError, match="prefill URLs listed more than once") as info:
+        config_from_flags(prefill=[url, url + "/"], decode=["http://127.0.0.1:1"])
+    assert url in str(info.value)
+
+
+def test_cli_reports_a_bad_probe_interval_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "http://127.0.0.1:1"
+    code = main(["proxy", "--prefill", url, "--decode", url, "--probe-interval-s", "0"])
+    assert code == 2
+    assert "--probe-interval-s 0.0" in capsys.readouterr().err
+
+
 def test_cli_reports_a_bad_url_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["proxy", "--prefill", "localhost:8100", "--decode", "http://127.0.0.1:1"])
     assert code == 2

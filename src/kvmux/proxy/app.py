@@ -369,7 +369,7 @@ class Proxy:
                     chunk = await resp.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # Headers are sent: report in-band, the way vLLM reports stream errors.
-                    self._unusable(upstream, exc, request_id)
+                    self._take_out_if_broken(upstream, exc)
                     status, message, kind = _failure(upstream, exc)
                     log.warning("request %s: %s", request_id, message)
                     event = json.dumps(error_body(status, message, kind)).encode()
@@ -427,17 +427,26 @@ class Proxy:
         return self.prefill if role == "prefill" else self.decode
 
     def _unusable(self, upstream: Upstream, exc: BaseException, request_id: str) -> _Answer:
-        """The answer for a call that failed with ``exc``; an upstream whose connection
-        failed is taken out of rotation. The call may go to another upstream when this
-        one was never really asked: it could not be connected to, or it is a prefill
-        (which only computes KV that nobody else will read) that dropped the request."""
+        """The answer for a call to ``upstream`` that failed with ``exc``. It may go to
+        another upstream when this one was never really asked: it could not be connected
+        to, or it is a prefill (which only computes KV nobody else will read) whose
+        connection broke."""
+        broken = self._take_out_if_broken(upstream, exc)
+        retry = broken and (
+            upstream.role == "prefill" or isinstance(exc, aiohttp.ClientConnectorError)
+        )
+        return _Answer(_upstream_failed(upstream, exc, request_id), retry=retry)
+
+    def _take_out_if_broken(self, upstream: Upstream, exc: BaseException) -> bool:
+        """Take ``upstream`` out of rotation if ``exc`` says its connection failed
+        (refused, reset, dropped mid-answer); whether it did. A timeout is not that:
+        a long prompt is slow, not dead (its ``/health`` decides, see :meth:`health`)."""
         if isinstance(exc, TimeoutError) or not isinstance(
             exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError
         ):
-            return _Answer(_upstream_failed(upstream, exc, request_id))
+            return False
         self._pool(upstream.role).take_out(upstream, str(exc) or type(exc).__name__)
-        retry = upstream.role == "prefill" or isinstance(exc, aiohttp.ClientConnectorError)
-        return _Answer(_upstream_failed(upstream, exc, request_id), retry=retry)
+        return True
 
     async def _probe_out_of_rotation(self) -> None:
         """Every ``probe_interval_s``: put back the upstreams out of rotation that answer."""
