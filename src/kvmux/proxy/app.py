@@ -181,7 +181,7 @@ class Proxy:
         """200 when every upstream's ``/health`` answers 2xx, else 503 naming the others.
 
         Each check also updates the pools: a failing upstream is taken out, a
-        passing one is put back, so ``/health`` and routing never disagree.
+        passing one is put back, so routing follows what ``/health`` just saw.
         """
         upstreams = [*self.prefill.all(), *self.decode.all()]
         problems = await asyncio.gather(*(self._probe(u) for u in upstreams))
