@@ -579,7 +579,7 @@ async def test_the_next_requests_go_to_the_decode_with_fewer_in_flight() -> None
 
 @in_loop
 async def test_concurrent_requests_are_spread_by_what_each_server_has_in_flight() -> None:
-    decode = [FakeVllm(f"d{i}", delay_s=0.3) for i in range(3)]
+    decode = [FakeVllm(f"d{i}", delay_s=1.0) for i in range(3)]  # all six overlap
     async with stack(decode=decode) as s:
         answers = await asyncio.gather(
             *(s.post("/v1/completions", {"prompt": f"q{i}"}) for i in range(6))
@@ -672,14 +672,14 @@ async def test_in_flight_counts_return_to_zero_after_errors_timeouts_and_clients
     None
 ):
     prefill, decode = FakeVllm("p0"), FakeVllm("d0")
-    async with stack([prefill], [decode], timeout_s=0.5) as s:
+    async with stack([prefill], [decode], timeout_s=1.5) as s:
         prefill.prefill_status = 400
         assert (await s.post("/v1/completions", {"prompt": "refused"}))[0] == 400
         assert await s.in_flight() == [0, 0]
-        prefill.prefill_status, decode.delay_s = 200, 2.0
+        prefill.prefill_status, decode.delay_s = 200, 5.0
         assert (await s.post("/v1/completions", {"prompt": "too slow"}))[0] == 504
         assert await s.in_flight() == [0, 0]
-        await send_then_leave(s.url, "/v1/completions", {"prompt": "bye"}, leave_after_s=0.1)
+        await send_then_leave(s.url, "/v1/completions", {"prompt": "bye"}, leave_after_s=0.5)
         await asyncio.wait_for(decode.cancelled.wait(), 3)
         decode.cancelled.clear()
         await wait_until(lambda: decode.running == 0)
