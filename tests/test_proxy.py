@@ -7,13 +7,14 @@ Each test runs its fakes, the proxy and the client on one event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,12 @@ from aiohttp import web
 from kvmux.cli.main import main
 from kvmux.proxy import (
     PREFILL_KV_TRANSFER_PARAMS,
+    NoHealthyUpstream,
+    PrefixRoutes,
     ProxyConfig,
     ProxyConfigError,
+    Upstream,
+    UpstreamPool,
     config_from_flags,
     create_app,
     decode_body,
@@ -74,6 +79,10 @@ class FakeVllm:
     #: Set when a request's connection closed before its answer was complete
     #: (aiohttp cancels the handler, as vLLM's server aborts the request).
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: When given, decode requests wait for it before answering.
+    hold: asyncio.Event | None = None
+    running: int = 0
+    most_running: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -86,11 +95,15 @@ class FakeVllm:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.got.append(Got(request.path, body, request.headers.copy()))
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
         try:
             return await self._respond(request, body)
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        finally:
+            self.running -= 1
 
     async def _respond(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         await asyncio.sleep(self.delay_s)
@@ -109,6 +122,8 @@ class FakeVllm:
             return web.json_response(
                 {**_answer(chat, "x"), "kv_transfer_params": kv if self.returns_params else None}
             )
+        if self.hold is not None:
+            await self.hold.wait()
         if not body.get("stream"):
             return web.json_response({**_answer(chat, f"from {self.name}"), "by": self.name})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -146,11 +161,33 @@ class Stack:
     client: aiohttp.ClientSession
     prefill: list[FakeVllm]
     decode: list[FakeVllm]
+    #: The URLs in the proxy's pools, in order.
+    url_of_prefill: list[str]
+    url_of_decode: list[str]
 
     async def post(self, path: str, body: Any, **kwargs: Any) -> tuple[int, Any]:
+        status, answer, _ = await self.post_seen(path, body, **kwargs)
+        return status, answer
+
+    async def post_seen(
+        self, path: str, body: Any, **kwargs: Any
+    ) -> tuple[int, Any, tuple[str | None, str | None]]:
+        """Status, answer and the (prefill, decode) URLs the proxy says served it."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         async with self.client.post(self.url + path, data=data, **kwargs) as resp:
-            return resp.status, await resp.json()
+            served = (resp.headers.get("X-Kvmux-Prefill"), resp.headers.get("X-Kvmux-Decode"))
+            return resp.status, await resp.json(), served
+
+    async def stats(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """``GET /stats`` by role, then by URL."""
+        async with self.client.get(self.url + "/stats") as resp:
+            assert resp.status == 200
+            report = await resp.json()
+        return {role: {u["url"]: u for u in report[role]} for role in ("prefill", "decode")}
+
+    async def in_flight(self) -> list[int]:
+        stats = await self.stats()
+        return [u["in_flight"] for role in stats.values() for u in role.values()]
 
 
 @asynccontextmanager
@@ -161,22 +198,27 @@ async def stack(
     dead_prefill: bool = False,
     dead_decode: bool = False,
     timeout_s: float = 10.0,
+    first_prefill: Sequence[str] = (),
+    **config: Any,
 ) -> AsyncIterator[Stack]:
-    """Fakes, the proxy in front of them and a client session; all closed on exit."""
+    """Fakes, the proxy in front of them and a client session; all closed on exit.
+    ``first_prefill`` URLs come before the fakes' in the prefill pool; ``config``
+    goes to :class:`ProxyConfig`."""
     prefill = [FakeVllm("p0")] if prefill is None else prefill
     decode = [FakeVllm("d0")] if decode is None else decode
     async with AsyncExitStack() as running_now:
         p_urls = [await running_now.enter_async_context(running_app(f.app())) for f in prefill]
         d_urls = [await running_now.enter_async_context(running_app(f.app())) for f in decode]
-        config = ProxyConfig(
-            prefill=[closed_port_url()] if dead_prefill else p_urls,
+        proxy_config = ProxyConfig(
+            prefill=[closed_port_url()] if dead_prefill else [*first_prefill, *p_urls],
             decode=[closed_port_url()] if dead_decode else d_urls,
             port=0,
             timeout_s=timeout_s,
+            **config,
         )
-        url = await running_now.enter_async_context(running(config))
+        url = await running_now.enter_async_context(running(proxy_config))
         client = await running_now.enter_async_context(aiohttp.ClientSession())
-        yield Stack(url, client, prefill, decode)
+        yield Stack(url, client, prefill, decode, proxy_config.prefill, proxy_config.decode)
 
 
 def closed_port_url() -> str:
@@ -322,7 +364,7 @@ async def test_streamed_chat_completion_reaches_the_client_chunk_by_chunk() -> N
 
 
 @in_loop
-async def test_round_robin_spreads_requests_over_prefill_and_decode_servers() -> None:
+async def test_equal_loads_spread_requests_in_turn_over_prefill_and_decode_servers() -> None:
     prefill = [FakeVllm("p0"), FakeVllm("p1")]
     decode = [FakeVllm("d0"), FakeVllm("d1")]
     async with stack(prefill, decode) as s:
@@ -505,6 +547,266 @@ async def test_served_without_handler_cancellation_decode_is_still_never_started
     assert "client went away; decode upstream" in note
 
 
+# -- load-aware choice, taking out and putting back -------------------------------------
+
+
+async def wait_until(check: Callable[[], bool], timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@in_loop
+async def test_the_next_requests_go_to_the_decode_with_fewer_in_flight() -> None:
+    busy = FakeVllm("d0", hold=asyncio.Event())
+    async with stack([FakeVllm("p0"), FakeVllm("p1")], [busy, FakeVllm("d1")]) as s:
+        first = asyncio.create_task(s.post("/v1/completions", {"prompt": "long"}))
+        await wait_until(lambda: len(busy.got) == 1)
+        others = [(await s.post("/v1/completions", {"prompt": "hi"}))[1] for _ in range(3)]
+        stats = await s.stats()
+        assert busy.hold is not None
+        busy.hold.set()
+        status, answer = await first
+        after = await s.in_flight()
+    assert (status, answer["by"]) == (200, "d0")
+    assert [a["by"] for a in others] == ["d1", "d1", "d1"], "turns would have sent one to d0"
+    assert [u["in_flight"] for u in stats["decode"].values()] == [1, 0]
+    assert [u["sent"] for u in stats["decode"].values()] == [1, 3]
+    assert [u["sent"] for u in stats["prefill"].values()] == [2, 2]  # equal loads: in turn
+    assert after == [0, 0, 0, 0]
+
+
+@in_loop
+async def test_concurrent_requests_are_spread_by_what_each_server_has_in_flight() -> None:
+    decode = [FakeVllm(f"d{i}", delay_s=1.0) for i in range(3)]  # all six overlap
+    async with stack(decode=decode) as s:
+        answers = await asyncio.gather(
+            *(s.post("/v1/completions", {"prompt": f"q{i}"}) for i in range(6))
+        )
+        after = await s.in_flight()
+    assert all(status == 200 for status, _ in answers)
+    assert [len(f.got) for f in decode] == [2, 2, 2]
+    assert [f.most_running for f in decode] == [2, 2, 2]
+    assert after == [0, 0, 0, 0]
+
+
+@in_loop
+async def test_an_unreachable_prefill_is_taken_out_and_its_request_served_by_another(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvmux.proxy")
+    dead = closed_port_url()
+    async with stack([FakeVllm("p1")], first_prefill=[dead]) as s:
+        answers = [await s.post_seen("/v1/completions", {"prompt": "hi"}) for _ in range(3)]
+        stats = await s.stats()
+    assert [(status, seen[0]) for status, _, seen in answers] == [(200, s.url_of_prefill[1])] * 3
+    assert len(s.prefill[0].got) == 3
+    down = stats["prefill"][dead]
+    assert (down["in_rotation"], down["sent"], down["taken_out"]) == (False, 1, 1)
+    assert "Connect" in down["last_problem"] or "refused" in down["last_problem"]
+    (note,) = [r.getMessage() for r in caplog.records if "taken out" in r.getMessage()]
+    assert f"prefill upstream {dead} taken out of rotation" in note
+
+
+@in_loop
+async def test_a_server_that_comes_back_is_put_back_after_its_health_probe(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvmux.proxy")
+    flaky = FakeVllm("p0")
+    port = int(urlsplit(closed_port_url()).port or 0)
+    flaky_url = f"http://127.0.0.1:{port}"
+    async with stack([FakeVllm("p1")], first_prefill=[flaky_url], probe_interval_s=0.1) as s:
+        async with running_app(flaky.app(), "127.0.0.1", port):
+            status, _, seen = await s.post_seen("/v1/completions", {"prompt": "a"})
+            assert (status, seen[0]) == (200, flaky_url)
+        # flaky is gone: its next turn fails to connect, is taken out, and p1 answers
+        status, _, seen = await s.post_seen("/v1/completions", {"prompt": "b"})
+        assert (status, seen[0]) == (200, s.url_of_prefill[1])
+        status, _, seen = await s.post_seen("/v1/completions", {"prompt": "c"})
+        assert (status, seen[0]) == (200, s.url_of_prefill[1])
+        assert (await s.stats())["prefill"][flaky_url]["in_rotation"] is False
+        async with running_app(flaky.app(), "127.0.0.1", port):
+            start = time.monotonic()
+            while not (await s.stats())["prefill"][flaky_url]["in_rotation"]:
+                assert time.monotonic() - start < 5, "never put back"
+                await asyncio.sleep(0.05)
+            seen_now = {(await s.post_seen("/v1/completions", {"prompt": p}))[2][0] for p in "de"}
+        stats = await s.stats()
+    assert seen_now == {flaky_url, s.url_of_prefill[1]}
+    assert stats["prefill"][flaky_url]["taken_out"] == 1
+    assert [r.getMessage() for r in caplog.records if "back in rotation" in r.getMessage()] == [
+        f"prefill upstream {flaky_url} is healthy again and back in rotation"
+    ]
+
+
+@in_loop
+async def test_with_no_healthy_decode_the_answer_is_a_503_naming_it_and_prefill_is_spared() -> None:
+    async with stack(dead_decode=True) as s:
+        first, _ = await s.post("/v1/completions", {"prompt": "hi"})
+        status, answer = await s.post("/v1/completions", {"prompt": "hi"})
+        stats = await s.stats()
+    assert first == 502
+    assert status == 503
+    assert answer["error"]["type"] == "no_healthy_upstream"
+    (dead,) = stats["decode"]
+    assert answer["error"]["message"].startswith(f"no healthy decode upstream: {dead} (")
+    assert "probing their /health every 2 s" in answer["error"]["message"]
+    assert len(s.prefill[0].got) == 1, "prefill was asked for a request no decode could take"
+    assert stats["decode"][dead]["in_flight"] == 0
+
+
+@in_loop
+async def test_an_upstream_that_answers_with_an_error_stays_in_rotation() -> None:
+    async with stack(prefill=[FakeVllm("p0", prefill_status=400)]) as s:
+        statuses = [(await s.post("/v1/completions", {"prompt": "hi"}))[0] for _ in range(2)]
+        stats = await s.stats()
+    assert statuses == [400, 400]
+    (state,) = stats["prefill"].values()
+    assert (state["in_rotation"], state["taken_out"], state["sent"]) == (True, 0, 2)
+
+
+@in_loop
+async def test_in_flight_counts_return_to_zero_after_errors_timeouts_and_clients_that_left() -> (
+    None
+):
+    prefill, decode = FakeVllm("p0"), FakeVllm("d0")
+    async with stack([prefill], [decode], timeout_s=1.5) as s:
+        prefill.prefill_status = 400
+        assert (await s.post("/v1/completions", {"prompt": "refused"}))[0] == 400
+        assert await s.in_flight() == [0, 0]
+        prefill.prefill_status, decode.delay_s = 200, 5.0
+        assert (await s.post("/v1/completions", {"prompt": "too slow"}))[0] == 504
+        assert await s.in_flight() == [0, 0]
+        await send_then_leave(s.url, "/v1/completions", {"prompt": "bye"}, leave_after_s=0.5)
+        await asyncio.wait_for(decode.cancelled.wait(), 3)
+        decode.cancelled.clear()
+        await wait_until(lambda: decode.running == 0)
+        assert await s.in_flight() == [0, 0]
+        decode.delay_s = 0.0
+        decode.first_chunk_seen = asyncio.Event()  # holds the stream after chunk 0
+        body = {"prompt": "stream", "stream": True}
+        async with s.client.post(s.url + "/v1/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            assert await s.in_flight() == [0, 1]
+            resp.close()
+        await asyncio.wait_for(decode.cancelled.wait(), 3)
+        await wait_until(lambda: decode.running == 0)
+        after = await s.in_flight()
+    assert after == [0, 0]
+
+
+@in_loop
+async def test_health_reports_each_upstream_and_puts_it_in_or_out_of_rotation() -> None:
+    async with stack([FakeVllm("p0"), FakeVllm("p1", healthy=False)]) as s:
+        async with s.client.get(s.url + "/health") as resp:
+            report = await resp.json()
+        out = (await s.stats())["prefill"]
+        s.prefill[1].healthy = True
+        async with s.client.get(s.url + "/health") as resp:
+            assert resp.status == 200
+        back = (await s.stats())["prefill"]
+    assert [(u["role"], u["in_rotation"], u["in_flight"]) for u in report["upstreams"]] == [
+        ("prefill", True, 0),
+        ("prefill", False, 0),
+        ("decode", True, 0),
+    ]
+    assert [u["in_rotation"] for u in out.values()] == [True, False]
+    assert list(out.values())[1]["last_problem"] == "/health: HTTP 503"
+    assert [u["in_rotation"] for u in back.values()] == [True, True]
+
+
+# -- prefix-aware routing ----------------------------------------------------------------
+
+LONG = "the quick brown fox jumps over the lazy dog " * 12  # two 256-character chunks
+
+
+@in_loop
+async def test_a_repeated_prompt_prefix_goes_back_to_the_servers_that_served_it() -> None:
+    two = ([FakeVllm("p0"), FakeVllm("p1")], [FakeVllm("d0"), FakeVllm("d1")])
+    async with stack(*two) as s:
+        seen = [
+            (await s.post_seen("/v1/completions", {"prompt": prompt}))[2]
+            for prompt in (LONG, LONG + "and then some", "short", LONG)
+        ]
+    p0, p1 = s.url_of_prefill
+    d0, d1 = s.url_of_decode
+    assert seen == [(p0, d0), (p0, d0), (p1, d1), (p0, d0)]
+
+
+@in_loop
+async def test_without_prefix_routes_a_repeated_prompt_goes_in_turn() -> None:
+    two = ([FakeVllm("p0"), FakeVllm("p1")], [FakeVllm("d0"), FakeVllm("d1")])
+    async with stack(*two, prefix_routes=0) as s:
+        seen = [(await s.post_seen("/v1/completions", {"prompt": LONG}))[2] for _ in range(2)]
+        report = await (await s.client.get(s.url + "/stats")).json()
+    assert [p for p, _ in seen] == s.url_of_prefill
+    assert report["prefix_routes"] is None
+
+
+def test_a_preferred_upstream_wins_unless_it_is_clearly_busier() -> None:
+    pool = UpstreamPool("decode", ["http://a:1", "http://b:1"], prefer_slack=1)
+    with pool.acquire() as busy:
+        assert busy.url == "http://a:1"
+        assert pool.choose(prefer="http://a:1").url == "http://a:1"  # one more: still worth it
+        with pool.acquire(prefer="http://a:1"):
+            assert pool.choose(prefer="http://a:1").url == "http://b:1"  # two more: not
+    pool.take_out(Upstream("decode", "http://a:1"), "refused")
+    assert pool.choose(prefer="http://a:1").url == "http://b:1"
+
+
+def test_pool_counts_in_flight_back_on_errors_and_cancellation() -> None:
+    pool = UpstreamPool("prefill", ["http://a:1", "http://b:1"])
+
+    async def held(event: asyncio.Event) -> None:
+        with pool.acquire():
+            await event.wait()
+
+    async def scenario() -> list[int]:
+        task = asyncio.create_task(held(asyncio.Event()))
+        await asyncio.sleep(0)
+        assert [u["in_flight"] for u in pool.report()] == [1, 0]
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(RuntimeError), pool.acquire():
+            raise RuntimeError("upstream failed")
+        return [u["in_flight"] for u in pool.report()]
+
+    assert asyncio.run(scenario()) == [0, 0]
+    assert [u["sent"] for u in pool.report()] == [1, 1]
+
+
+def test_a_pool_with_every_upstream_out_names_them_and_why() -> None:
+    pool = UpstreamPool("decode", ["http://a:1", "http://b:1"])
+    pool.take_out(Upstream("decode", "http://a:1"), "refused")
+    with pytest.raises(NoHealthyUpstream) as info:
+        pool.choose(exclude=["http://b:1"])
+    assert str(info.value) == (
+        "no healthy decode upstream: http://a:1 (refused); failed for this request: http://b:1"
+    )
+
+
+def test_prefix_keys_stand_for_whole_chunks_of_what_the_client_sent() -> None:
+    routes = PrefixRoutes(capacity=3, chunk_tokens=2, chunk_chars=4)
+    tokens = routes.keys("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 5]})
+    assert len(tokens) == 2  # [1, 2], [3, 4]; the lone 5 is not a whole chunk
+    longer = routes.keys("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4, 9, 9]})
+    assert longer[:2] == tokens
+    assert routes.keys("/v1/completions", {"model": "other", "prompt": [1, 2]}) != tokens[:1]
+    assert routes.keys("/v1/completions", {"prompt": ["a", "b"]}) == []  # a batch
+    chat = routes.keys("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat and chat != routes.keys("/v1/completions", {"prompt": "hi"})
+    routes.record(longer, "decode", "http://d:1")
+    assert routes.holder(tokens, "decode") == "http://d:1"
+    assert routes.holder(tokens, "prefill") is None
+    routes.record(routes.keys("/v1/completions", {"prompt": "abcdefgh"}), "prefill", "http://p:1")
+    assert len(routes) == 3  # capacity: the oldest key went
+    assert routes.holder(longer[:1], "decode") is None
+    assert routes.holder(longer, "decode") == "http://d:1"
+
+
 # -- other endpoints -----------------------------------------------------------------
 
 
@@ -568,6 +870,20 @@ def test_config_needs_an_upstream_of_each_role_and_drops_trailing_slashes() -> N
     config = ProxyConfig(prefill=["https://p.example/base/"], decode=["http://127.0.0.1:1"])
     assert config.prefill == ["https://p.example/base"]
     assert config.host == "127.0.0.1"
+
+
+def test_config_refuses_an_upstream_listed_twice() -> None:
+    url = "http://127.0.0.1:8100"
+    with pytest.raises(ProxyConfigError, match="prefill URLs listed more than once") as info:
+        config_from_flags(prefill=[url, url + "/"], decode=["http://127.0.0.1:1"])
+    assert url in str(info.value)
+
+
+def test_cli_reports_a_bad_probe_interval_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "http://127.0.0.1:1"
+    code = main(["proxy", "--prefill", url, "--decode", url, "--probe-interval-s", "0"])
+    assert code == 2
+    assert "--probe-interval-s 0.0" in capsys.readouterr().err
 
 
 def test_cli_reports_a_bad_url_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:

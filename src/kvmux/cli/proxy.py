@@ -35,6 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="deadline for one client request, prefill and decode together (default 600)",
     )
+    parser.add_argument(
+        "--probe-interval-s",
+        type=float,
+        default=2.0,
+        help="how often a server out of rotation has its /health probed (default 2)",
+    )
+    parser.add_argument(
+        "--prefix-routes",
+        type=int,
+        default=10_000,
+        help="prompt-prefix chunks remembered to send a repeated prefix back to the servers "
+        "that hold it (default 10000; 0 turns prefix-aware routing off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         timeout_s=args.timeout_s,
+        probe_interval_s=args.probe_interval_s,
+        prefix_routes=args.prefix_routes,
     )
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"

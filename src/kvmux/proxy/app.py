@@ -6,8 +6,17 @@ It must never be the reason a client hangs or waits longer than it has to:
 
 * every client request has one deadline (``timeout_s``) shared by its prefill
   and decode calls; past it the client gets 504, naming the upstream;
-* an upstream that cannot be reached is a 502 naming it; an upstream that
+* each call goes to the least loaded healthy upstream of its role
+  (:mod:`kvmux.proxy.upstreams`), preferring one that already holds the
+  prompt's prefix (:mod:`kvmux.proxy.prefix`);
+* an upstream that cannot be reached is taken out of rotation and its
+  ``/health`` probed every ``probe_interval_s`` until it answers; a request
+  that could not connect to it (or whose prefill it dropped) is tried on
+  another one of the role, and only when none is left the client gets 502
+  naming it, then 503 naming the role while none is healthy; an upstream that
   answers with an error has its status and body passed through unchanged;
+* the answer says which servers served it (``X-Kvmux-Prefill``,
+  ``X-Kvmux-Decode``), and ``GET /stats`` shows each upstream's state;
 * a streamed answer is relayed chunk by chunk as decode produces it, never
   buffered;
 * a client that goes away, streamed or not, takes its upstream request with
@@ -31,8 +40,9 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -47,7 +57,8 @@ from kvmux.proxy.handoff import (
     prefill_body,
     wants_stream,
 )
-from kvmux.proxy.upstreams import Upstream, UpstreamPool
+from kvmux.proxy.prefix import PrefixRoutes
+from kvmux.proxy.upstreams import NoHealthyUpstream, Role, Upstream, UpstreamPool
 
 log = logging.getLogger("kvmux.proxy")
 
@@ -56,6 +67,10 @@ REQUEST_ID = "X-Request-Id"
 #: Client headers passed on to both upstreams (with X-Request-Id); the rest describe
 #: the hop to the proxy, not the request.
 FORWARDED_HEADERS = ("Authorization",)
+#: Response headers naming the upstreams that served a request.
+SERVED_BY: dict[Role, str] = {"prefill": "X-Kvmux-Prefill", "decode": "X-Kvmux-Decode"}
+
+_T = TypeVar("_T")
 
 
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
@@ -71,11 +86,32 @@ def error_response(
 
 
 class _Answer(Exception):
-    """Ends a hand-off early with the response the client gets."""
+    """Ends a hand-off early with the response the client gets, unless ``retry`` says
+    the same call may go to another upstream (this one was never really asked)."""
 
-    def __init__(self, response: web.Response) -> None:
+    def __init__(self, response: web.Response, *, retry: bool = False) -> None:
         super().__init__(response.status)
         self.response = response
+        self.retry = retry
+
+
+@dataclass
+class _Route:
+    """The upstreams one client request has used so far, by role."""
+
+    prefill: Upstream | None = None
+    decode: Upstream | None = None
+
+    def use(self, upstream: Upstream) -> None:
+        setattr(self, upstream.role, upstream)
+
+    @property
+    def stage(self) -> Upstream | None:
+        return self.decode or self.prefill
+
+    def headers(self) -> dict[str, str]:
+        used = (self.prefill, self.decode)
+        return {SERVED_BY[u.role]: u.url for u in used if u is not None}
 
 
 class Proxy:
@@ -85,13 +121,15 @@ class Proxy:
         self.config = config
         self.prefill = UpstreamPool("prefill", config.prefill)
         self.decode = UpstreamPool("decode", config.decode)
+        self.prefixes = PrefixRoutes(config.prefix_routes) if config.prefix_routes else None
         self._session: aiohttp.ClientSession | None = None
         self._warned_no_params = False
 
     # -- lifecycle -----------------------------------------------------------------
 
     async def client_session(self, app: web.Application) -> AsyncIterator[None]:
-        """``cleanup_ctx`` hook: the app's one ClientSession lives as long as the app."""
+        """``cleanup_ctx`` hook: the app's one ClientSession lives as long as the app, and
+        so does the task that probes upstreams out of rotation."""
         # No pool limit: vLLM queues requests itself, and a proxy-side cap would
         # make long streams starve short requests without the client knowing why.
         connector = aiohttp.TCPConnector(limit=0)
@@ -99,9 +137,13 @@ class Proxy:
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as session:
             self._session = session
+            probes = asyncio.create_task(self._probe_out_of_rotation(), name="kvmux-probes")
             try:
                 yield
             finally:
+                probes.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probes
                 self._session = None
 
     @property
@@ -119,23 +161,36 @@ class Proxy:
         return await self._handoff(request, "chat")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """Any decode server serves the same model(s); ask the next one."""
-        upstream = self.decode.next()
-        request_id = request.headers.get(REQUEST_ID) or _new_request_id()
+        """Any decode server serves the same model(s); ask the least loaded one."""
+        request_id = _request_id_of(request)
         headers = self._headers(request, request_id)
+        deadline = self._deadline()
+        route = _Route()
         try:
-            return await self._exchange(
-                "GET", upstream, "/v1/models", None, headers, self._deadline(), request_id
+            return await self._call(
+                self.decode,
+                request,
+                route,
+                [],
+                lambda u: self._exchange("GET", u, "/v1/models", None, headers, deadline),
             )
         except _Answer as answer:
             return answer.response
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when every upstream's ``/health`` answers 2xx, else 503 naming the others."""
+        """200 when every upstream's ``/health`` answers 2xx, else 503 naming the others.
+
+        Each check also updates the pools: a failing upstream is taken out, a
+        passing one is put back, so routing follows what ``/health`` just saw.
+        """
         upstreams = [*self.prefill.all(), *self.decode.all()]
-        problems = await asyncio.gather(*(self._check(u) for u in upstreams))
+        problems = await asyncio.gather(*(self._probe(u) for u in upstreams))
         report = [
-            {"role": u.role, "url": u.url, "ok": problem is None, "detail": problem or "ok"}
+            {
+                "ok": problem is None,
+                "detail": problem or "ok",
+                **self._pool(u.role).state(u).report(),
+            }
             for u, problem in zip(upstreams, problems, strict=True)
         ]
         failed = [f"{u} ({p})" for u, p in zip(upstreams, problems, strict=True) if p]
@@ -145,40 +200,108 @@ class Proxy:
             body.update(error_body(503, message, "upstream_unhealthy"))
         return web.json_response(body, status=503 if failed else 200)
 
+    async def stats(self, request: web.Request) -> web.Response:
+        """Each upstream as the proxy sees it now (in rotation, in flight, sent, taken out),
+        without asking any of them."""
+        return web.json_response(
+            {
+                "prefill": self.prefill.report(),
+                "decode": self.decode.report(),
+                "prefix_routes": len(self.prefixes) if self.prefixes is not None else None,
+            }
+        )
+
     # -- the hand-off --------------------------------------------------------------
 
     async def _handoff(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID) or _new_request_id()
+        request_id = _request_id_of(request)
         try:
             body = parse_client_body(await request.read())
         except BadClientRequest as exc:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         deadline = self._deadline()
         headers = self._headers(request, request_id)
-        prefill, decode = self.prefill.next(), self.decode.next()
         path = PATHS[endpoint]
-        stage = prefill
+        keys = self.prefixes.keys(path, body) if self.prefixes is not None else []
+        route = _Route()
+        to_prefill = prefill_body(body)
         try:
-            _ensure_client(request, prefill, request_id)
-            payload = await self._exchange(
-                "POST", prefill, path, prefill_body(body), headers, deadline, request_id
+            self._check_pools(request_id)  # no prefill for a request no decode can take
+            payload = await self._call(
+                self.prefill,
+                request,
+                route,
+                keys,
+                lambda u: self._exchange("POST", u, path, to_prefill, headers, deadline),
             )
             params = kv_params_from(_json_or_none(payload.body))
-            if params is None:
-                self._warn_no_params(prefill)
+            if params is None and route.prefill is not None:
+                self._warn_no_params(route.prefill)
             out = decode_body(body, endpoint, params)
-            stage = decode
-            _ensure_client(request, decode, request_id)
+            answer: web.StreamResponse
             if wants_stream(body):
-                return await self._relay_stream(request, decode, path, out, headers, deadline)
-            return await self._exchange("POST", decode, path, out, headers, deadline, request_id)
-        except _Answer as answer:
-            return answer.response
+                answer = await self._call(
+                    self.decode,
+                    request,
+                    route,
+                    keys,
+                    lambda u: self._relay_stream(request, u, path, out, headers, deadline, route),
+                )
+            else:
+                answer = await self._call(
+                    self.decode,
+                    request,
+                    route,
+                    keys,
+                    lambda u: self._exchange("POST", u, path, out, headers, deadline),
+                )
+        except _Answer as failed:
+            failed.response.headers.update(route.headers())
+            return failed.response
         except asyncio.CancelledError:
             # aiohttp cancels the handler when its client disconnects (or the proxy stops);
             # unwinding closes the upstream connection, and vLLM aborts the request.
-            log.info("request %s cancelled: its request to %s was closed", request_id, stage)
+            log.info("request %s cancelled: its request to %s was closed", request_id, route.stage)
             raise
+        if not answer.prepared:
+            answer.headers.update(route.headers())
+        return answer
+
+    async def _call(
+        self,
+        pool: UpstreamPool,
+        request: web.Request,
+        route: _Route,
+        keys: list[bytes],
+        call: Callable[[Upstream], Awaitable[_T]],
+    ) -> _T:
+        """``call`` on the least loaded healthy upstream of ``pool`` (the prefix's holder
+        if it is not much busier), counted in flight there while it runs.
+
+        An upstream that could not be used and was never really asked (see
+        :meth:`_unusable`) is set aside and the next one tried; the last one's
+        failure is the client's answer, and a pool with none healthy a 503.
+        """
+        request_id = _request_id_of(request)
+        prefer = self.prefixes.holder(keys, pool.role) if self.prefixes and keys else None
+        failed: list[str] = []
+        while True:
+            try:
+                with pool.acquire(prefer, failed) as upstream:
+                    route.use(upstream)
+                    _ensure_client(request, upstream, request_id)
+                    result = await call(upstream)
+            except NoHealthyUpstream as exc:
+                raise self._none_healthy(exc, request_id) from None
+            except _Answer as answer:
+                failed.append(upstream.url)
+                if not (answer.retry and pool.any_in_rotation(failed)):
+                    raise
+                log.info("request %s: %s could not be used; trying another", request_id, upstream)
+                continue
+            if self.prefixes is not None and keys:
+                self.prefixes.record(keys, pool.role, upstream.url)
+            return result
 
     async def _exchange(
         self,
@@ -188,10 +311,10 @@ class Proxy:
         body: Mapping[str, Any] | None,
         headers: Mapping[str, str],
         deadline: float,
-        request_id: str,
     ) -> web.Response:
         """One whole request/response with an upstream. A 2xx is returned; anything
         else raises :class:`_Answer` with what the client should get."""
+        request_id = headers[REQUEST_ID]
         try:
             timeout = self._timeout(upstream, deadline, request_id)
             async with self.session.request(
@@ -199,7 +322,7 @@ class Proxy:
             ) as resp:
                 relayed = _relay(resp.status, resp.headers, await resp.read(), request_id)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _Answer(_upstream_failed(upstream, exc, request_id)) from None
+            raise self._unusable(upstream, exc, request_id) from None
         if not 200 <= relayed.status < 300:
             log.info("%s answered %s %s with HTTP %d", upstream, method, path, relayed.status)
             raise _Answer(relayed)
@@ -213,6 +336,7 @@ class Proxy:
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         deadline: float,
+        route: _Route,
     ) -> web.StreamResponse:
         """Decode's server-sent events, passed on as each chunk arrives."""
         request_id = headers[REQUEST_ID]
@@ -222,13 +346,13 @@ class Proxy:
                 upstream.url + path, json=body, headers=headers, timeout=timeout
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _Answer(_upstream_failed(upstream, exc, request_id)) from None
+            raise self._unusable(upstream, exc, request_id) from None
         try:
             if not 200 <= resp.status < 300:
                 try:
                     payload = await resp.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise _Answer(_upstream_failed(upstream, exc, request_id)) from None
+                    raise self._unusable(upstream, exc, request_id) from None
                 raise _Answer(_relay(resp.status, resp.headers, payload, request_id))
             out = web.StreamResponse(
                 status=resp.status,
@@ -236,6 +360,7 @@ class Proxy:
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     REQUEST_ID: request_id,
+                    **route.headers(),
                 },
             )
             await out.prepare(request)
@@ -244,6 +369,7 @@ class Proxy:
                     chunk = await resp.content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # Headers are sent: report in-band, the way vLLM reports stream errors.
+                    self._take_out_if_broken(upstream, exc)
                     status, message, kind = _failure(upstream, exc)
                     log.warning("request %s: %s", request_id, message)
                     event = json.dumps(error_body(status, message, kind)).encode()
@@ -286,6 +412,59 @@ class Proxy:
         headers[REQUEST_ID] = request_id  # the same id on both engines ties their logs
         return headers
 
+    def _check_pools(self, request_id: str) -> None:
+        for pool in (self.prefill, self.decode):
+            try:
+                pool.check_any()
+            except NoHealthyUpstream as exc:
+                raise self._none_healthy(exc, request_id) from None
+
+    def _none_healthy(self, exc: NoHealthyUpstream, request_id: str) -> _Answer:
+        message = f"{exc}; probing their /health every {self.config.probe_interval_s:g} s"
+        return _Answer(error_response(503, message, "no_healthy_upstream", request_id))
+
+    def _pool(self, role: Role) -> UpstreamPool:
+        return self.prefill if role == "prefill" else self.decode
+
+    def _unusable(self, upstream: Upstream, exc: BaseException, request_id: str) -> _Answer:
+        """The answer for a call to ``upstream`` that failed with ``exc``. It may go to
+        another upstream when this one was never really asked: it could not be connected
+        to, or it is a prefill (which only computes KV nobody else will read) whose
+        connection broke."""
+        broken = self._take_out_if_broken(upstream, exc)
+        retry = broken and (
+            upstream.role == "prefill" or isinstance(exc, aiohttp.ClientConnectorError)
+        )
+        return _Answer(_upstream_failed(upstream, exc, request_id), retry=retry)
+
+    def _take_out_if_broken(self, upstream: Upstream, exc: BaseException) -> bool:
+        """Take ``upstream`` out of rotation if ``exc`` says its connection failed
+        (refused, reset, dropped mid-answer); whether it did. A timeout is not that:
+        a long prompt is slow, not dead (its ``/health`` decides, see :meth:`health`)."""
+        if isinstance(exc, TimeoutError) or not isinstance(
+            exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError
+        ):
+            return False
+        self._pool(upstream.role).take_out(upstream, str(exc) or type(exc).__name__)
+        return True
+
+    async def _probe_out_of_rotation(self) -> None:
+        """Every ``probe_interval_s``: put back the upstreams out of rotation that answer."""
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            down = [*self.prefill.out_of_rotation(), *self.decode.out_of_rotation()]
+            await asyncio.gather(*(self._probe(u) for u in down))
+
+    async def _probe(self, upstream: Upstream) -> str | None:
+        """:meth:`_check` ``upstream`` and put it in or out of rotation accordingly."""
+        problem = await self._check(upstream)
+        pool = self._pool(upstream.role)
+        if problem is None:
+            pool.put_back(upstream)
+        else:
+            pool.take_out(upstream, f"/health: {problem}")
+        return problem
+
     async def _check(self, upstream: Upstream) -> str | None:
         """Why ``upstream`` is unhealthy, or None."""
         timeout = aiohttp.ClientTimeout(
@@ -325,6 +504,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post(PATHS["chat"], proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", proxy.health)
+    app.router.add_get("/stats", proxy.stats)
     return app
 
 
@@ -335,8 +515,16 @@ def build_app(
     return create_app(ProxyConfig(prefill=list(prefill), decode=list(decode), timeout_s=timeout_s))
 
 
-def _new_request_id() -> str:
-    return f"kvmux-{uuid.uuid4().hex}"
+def _request_id_of(request: web.Request) -> str:
+    """The client's ``X-Request-Id``, or one made up once for this request."""
+    request_id = request.get(_REQUEST_ID_KEY)
+    if request_id is None:
+        request_id = request.headers.get(REQUEST_ID) or f"kvmux-{uuid.uuid4().hex}"
+        request[_REQUEST_ID_KEY] = request_id
+    return request_id
+
+
+_REQUEST_ID_KEY = web.RequestKey("kvmux_request_id", str)
 
 
 def _json_or_none(body: Any) -> Any:

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from kvmux.errors import KvmuxError
 
@@ -40,10 +47,10 @@ class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prefill: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the prefill vLLM servers (round-robin)"
+        min_length=1, description="base URLs of the prefill vLLM servers (least loaded first)"
     )
     decode: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the decode vLLM servers (round-robin)"
+        min_length=1, description="base URLs of the decode vLLM servers (least loaded first)"
     )
     host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0 picks a free one")
@@ -53,9 +60,25 @@ class ProxyConfig(BaseModel):
     health_timeout_s: float = Field(
         5.0, gt=0, description="how long GET /health waits for each upstream's /health"
     )
+    probe_interval_s: float = Field(
+        2.0, gt=0, description="how often an upstream out of rotation has its /health probed"
+    )
+    prefix_routes: int = Field(
+        10_000,
+        ge=0,
+        description="prompt-prefix chunks remembered for prefix-aware routing; 0 turns it off",
+    )
     max_body_bytes: int = Field(
         64 * 2**20, gt=0, description="largest client request body (long prompts are big)"
     )
+
+    @model_validator(mode="after")
+    def _distinct_urls(self) -> ProxyConfig:
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            twice = sorted({url for url in urls if urls.count(url) > 1})
+            if twice:
+                raise ValueError(f"{role} URLs listed more than once: {twice}")
+        return self
 
 
 class ProxyConfigError(KvmuxError, ValueError):
