@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
@@ -486,4 +487,29 @@ def test_a_consumer_of_another_model_fails_every_key_naming_the_field() -> None:
         assert consumer.lookup(make_keys(4), producer.address()) == 0
     finally:
         consumer.close()
+        producer.close()
+
+
+def test_past_max_connections_of_joined_clients_a_newcomer_is_told_busy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvmux.net.server")
+    caches = make_caches(SEED, 4)
+    producer = create_connector({"backend": "tcp", "max_connections": 1})
+    first, second = open_consumer(num_blocks=4), open_consumer(num_blocks=4)
+    try:
+        producer.register(make_layout(caches), caches)
+        assert producer.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        assert first.load(make_keys(4), [0, 1, 2, 3], producer.address()).ok  # keeps its link
+        refused = second.load(make_keys(4), [0, 1, 2, 3], producer.address())
+        assert statuses(refused) == ["failed"] * 4
+        assert "busy" in (refused.outcomes[0].reason or "")
+        assert "max_connections" in (refused.outcomes[0].reason or "")
+        assert producer.stats()["refused_connections"] == 1
+        lines = [r.getMessage() for r in caplog.records if "max_connections=1" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert first.load(make_keys(4), [0, 1, 2, 3], producer.address()).ok
+    finally:
+        first.connector.close()
+        second.connector.close()
         producer.close()
