@@ -35,6 +35,7 @@ from kvmux.net.messages import (
     PEER_PROTOCOL,
     PROTOCOL_VERSION,
     Blocks,
+    Error,
     FetchRequest,
     Hello,
     Join,
@@ -611,3 +612,36 @@ def test_an_expired_lease_unpins_its_slots() -> None:
     assert slots.allocate(b, slots.protected()) is None
     slots.reap(now=10.0)
     assert slots.pinned == 0 and slots.allocate(b, slots.protected()) == slot
+
+
+def test_a_server_of_another_version_is_named_so_whatever_it_answers(
+    pair: tuple[Channel, Channel],
+) -> None:
+    """An older server cannot parse this version's join and answers with a protocol
+    error; the client still says what is wrong: the versions."""
+    client, server = pair
+
+    def old_server() -> None:
+        server.send(
+            Hello(
+                version=PROTOCOL_VERSION - 1,
+                service="tcp",
+                nonce="4" * 32,
+                layout=None,
+                max_frame_bytes=LIMITS.max_frame_bytes,
+                max_header_bytes=LIMITS.max_header_bytes,
+            ),
+            deadline=soon(),
+        )
+        server.recv(soon())
+        server.send(
+            Error(code="protocol", message="join: version: Input should be 2"), deadline=soon()
+        )
+
+    thread = threading.Thread(target=old_server)
+    thread.start()
+    with pytest.raises(
+        IncompatiblePeerError, match="protocol version differs: the producer speaks"
+    ):
+        join_handshake(client, service="tcp", layout=None, secret=None, deadline=soon())
+    thread.join(5)

@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from kvmux.compat import Compat, difference
-from kvmux.errors import TransferError
+from kvmux.errors import KvmuxError, TransferError
 from kvmux.net.frames import READ_AHEAD, Channel, Limits
 from kvmux.net.messages import PROTOCOL_VERSION, Error, Hello, Join, Service, Welcome, expect
 
@@ -183,7 +183,14 @@ def join_handshake(
         raise TransferError(f"{chan.peer} serves {hello.service!r}, not {service!r}")
     theirs = Terms(hello.layout, hello.compat or Compat(), hello.version)
     refused = refusal(theirs, mine)
-    welcome = expect(chan.recv(deadline, max_header_bytes=HANDSHAKE_HEADER_BYTES), Welcome)
+    try:
+        welcome = expect(chan.recv(deadline, max_header_bytes=HANDSHAKE_HEADER_BYTES), Welcome)
+    except KvmuxError:
+        if refused is None:
+            raise
+        # Ours names the difference; a server of another version may refuse in words
+        # this version cannot parse.
+        raise refused.to_exception() from None
     if refused is not None:  # the server should have refused; never trust that it did
         raise refused.to_exception()
     if secret is not None and not _proves(secret, b"server", nonce, welcome.mac):

@@ -93,7 +93,7 @@ class PeerAddress(BaseModel):
     host: str
     port: int = Field(ge=1, le=65535)
     host_id: str | None = None
-    incarnation: str | None = None
+    incarnation: str | None = Field(None, max_length=64)
     """The instance that published; any other at this endpoint no longer has its blocks."""
 
     @classmethod
