@@ -14,14 +14,28 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvmux.errors import LayoutError, ProtocolError, TransferError, TransferTimeout
+from kvmux.compat import Compat
+from kvmux.errors import (
+    IncompatiblePeerError,
+    LayoutError,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+)
 from kvmux.keys import BlockKey, chain_keys
-from kvmux.net.frames import MAGIC, Channel, Limits
-from kvmux.net.handshake import join_handshake, serve_handshake
+from kvmux.net.frames import MAGIC, READ_AHEAD, Channel, Limits
+from kvmux.net.handshake import (
+    HANDSHAKE_HEADER_BYTES,
+    PeerInfo,
+    join_handshake,
+    serve_handshake,
+)
 from kvmux.net.memory import byte_view
 from kvmux.net.messages import (
     PEER_PROTOCOL,
+    PROTOCOL_VERSION,
     Blocks,
+    Error,
     FetchRequest,
     Hello,
     Join,
@@ -30,6 +44,8 @@ from kvmux.net.messages import (
     LookupReply,
     LookupRequest,
     TensorHeader,
+    Welcome,
+    expect,
     key_batches,
     pack_rows,
 )
@@ -298,8 +314,14 @@ def handshake(
     client_secret: str | None,
     server_layout: str | None = "aa",
     client_layout: str | None = "aa",
+    *,
+    server_compat: Compat | None = None,
+    client_compat: Compat | None = None,
+    incarnation: str | None = None,
+    joined: list[PeerInfo] | None = None,
 ) -> tuple[BaseException | None, BaseException | None]:
-    """Run both sides over a socket pair; the errors each side raised."""
+    """Run both sides over a socket pair; the errors each side raised (and, in
+    ``joined``, what the client learnt)."""
     a, b = socket.socketpair()
     errors: list[BaseException | None] = [None, None]
 
@@ -309,6 +331,8 @@ def handshake(
                 Channel(b, PEER_PROTOCOL, LIMITS),
                 service="tcp",
                 layout=server_layout,
+                compat=server_compat,
+                incarnation=incarnation,
                 secret=server_secret,
                 deadline=soon(),
             )
@@ -318,13 +342,16 @@ def handshake(
     thread = threading.Thread(target=serve)
     thread.start()
     try:
-        join_handshake(
+        info = join_handshake(
             Channel(a, PEER_PROTOCOL, LIMITS),
             service="tcp",
             layout=client_layout,
+            compat=client_compat,
             secret=client_secret,
             deadline=soon(),
         )
+        if joined is not None:
+            joined.append(info)
     except BaseException as exc:
         errors[1] = exc
     thread.join(5)
@@ -387,6 +414,164 @@ def test_different_layouts_are_refused_at_handshake() -> None:
 def test_a_hello_names_everything_a_client_must_check() -> None:
     hello = Hello(service="shm", nonce="0" * 32, layout=None, max_frame_bytes=1, max_header_bytes=1)
     assert set(json.loads(hello.model_dump_json())) >= {"version", "service", "nonce", "layout"}
+    assert set(json.loads(hello.model_dump_json())) >= {"incarnation", "compat"}
+
+
+MODEL = Compat(model="/models/a", dtype="float32", tp_size=2, tp_rank=0, kv_dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("field", "other"),
+    [("model", "/models/b"), ("dtype", "bfloat16"), ("tp_size", 4), ("tp_rank", 1)],
+)
+def test_a_peer_of_another_model_is_refused_naming_the_field(field: str, other: object) -> None:
+    theirs = MODEL.model_copy(update={field: other})
+    server_error, client_error = handshake(None, None, server_compat=MODEL, client_compat=theirs)
+    assert isinstance(server_error, TransferError)
+    assert isinstance(client_error, IncompatiblePeerError)
+    message = str(client_error)
+    assert message.startswith(f"incompatible peer: {field} differs")
+    assert repr(getattr(MODEL, field)) in message and repr(other) in message
+
+
+@pytest.mark.parametrize(("field", "other"), [("kv_dtype", "bfloat16"), ("block_size", 32)])
+def test_another_kv_dtype_or_block_size_is_a_layout_mismatch_naming_the_field(
+    field: str, other: object
+) -> None:
+    mine = MODEL.model_copy(update={"block_size": 16})
+    _, client_error = handshake(
+        None, None, server_compat=mine, client_compat=mine.model_copy(update={field: other})
+    )
+    assert isinstance(client_error, LayoutError)
+    assert str(client_error).startswith(f"layout mismatch: {field} differs")
+
+
+def test_the_model_is_named_before_the_layout_when_both_differ() -> None:
+    theirs = MODEL.model_copy(update={"dtype": "bfloat16", "kv_dtype": "bfloat16"})
+    _, client_error = handshake(None, None, "aa", "bb", server_compat=MODEL, client_compat=theirs)
+    assert isinstance(client_error, IncompatiblePeerError) and "dtype differs" in str(client_error)
+
+
+def test_what_one_side_does_not_declare_is_not_compared() -> None:
+    assert handshake(None, None, server_compat=MODEL, client_compat=Compat()) == (None, None)
+    assert handshake(None, None, server_compat=MODEL, client_compat=None) == (None, None)
+
+
+def test_a_client_learns_the_servers_incarnation_and_fingerprint() -> None:
+    joined: list[PeerInfo] = []
+    assert handshake(None, None, server_compat=MODEL, incarnation="5" * 32, joined=joined) == (
+        None,
+        None,
+    )
+    assert joined[0].incarnation == "5" * 32 and joined[0].compat == MODEL
+
+
+def _serve_one(chan: Channel, errors: list[BaseException]) -> threading.Thread:
+    def serve() -> None:
+        try:
+            serve_handshake(chan, service="tcp", layout=None, secret=None, deadline=soon())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_a_peer_of_another_protocol_version_is_told_both_versions(
+    pair: tuple[Channel, Channel],
+) -> None:
+    client, server = pair
+    errors: list[BaseException] = []
+    thread = _serve_one(server, errors)
+    hello = expect(client.recv(soon()), Hello)
+    join = Join(
+        version=PROTOCOL_VERSION + 1,
+        service="tcp",
+        nonce="2" * 32,
+        mac=None,
+        layout=None,
+        max_frame_bytes=hello.max_frame_bytes,
+        max_header_bytes=hello.max_header_bytes,
+    )
+    client.send(join, deadline=soon())
+    with pytest.raises(IncompatiblePeerError) as refused:
+        expect(client.recv(soon()), Welcome)
+    thread.join(5)
+    assert str(refused.value) == (
+        f"incompatible peer: protocol version differs: the producer speaks "
+        f"{PROTOCOL_VERSION}, the consumer {PROTOCOL_VERSION + 1}; run one kvmux version"
+    )
+    assert isinstance(errors[0], TransferError)
+
+
+def test_a_client_refuses_an_incompatible_server_that_welcomed_it(
+    pair: tuple[Channel, Channel],
+) -> None:
+    client, server = pair
+    errors: list[BaseException] = []
+
+    def lenient_server() -> None:  # welcomes anyone, whatever they declared
+        server.send(
+            Hello(
+                service="tcp",
+                nonce="3" * 32,
+                layout=None,
+                compat=MODEL,
+                max_frame_bytes=LIMITS.max_frame_bytes,
+                max_header_bytes=LIMITS.max_header_bytes,
+            ),
+            deadline=soon(),
+        )
+        server.recv(soon())
+        server.send(Welcome(mac=None), deadline=soon())
+
+    thread = threading.Thread(target=lenient_server)
+    thread.start()
+    try:
+        join_handshake(
+            client,
+            service="tcp",
+            layout=None,
+            compat=MODEL.model_copy(update={"model": "/models/b"}),
+            secret=None,
+            deadline=soon(),
+        )
+    except BaseException as exc:
+        errors.append(exc)
+    thread.join(5)
+    assert isinstance(errors[0], IncompatiblePeerError) and "model differs" in str(errors[0])
+
+
+def test_before_joining_a_header_over_the_handshake_limit_is_refused_unread(
+    pair: tuple[Channel, Channel],
+) -> None:
+    client, server = pair
+    errors: list[BaseException] = []
+    thread = _serve_one(server, errors)
+    expect(client.recv(soon()), Hello)
+    client.sock.sendall(raw_frame(b"{", declared=HANDSHAKE_HEADER_BYTES + 1))
+    thread.join(5)
+    assert isinstance(errors[0], ProtocolError)
+    assert f"max_header_bytes={HANDSHAKE_HEADER_BYTES}" in str(errors[0])
+
+
+def test_a_header_that_arrives_in_pieces_is_gathered_whole(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    request = LookupRequest.of(keys(1000))  # a header of tens of KiB, over the read-ahead
+    frame = raw_frame(PEER_PROTOCOL.dump_json(request))
+    assert len(frame) > 2 * READ_AHEAD
+
+    def trickle() -> None:
+        for start in range(0, len(frame), 3000):
+            left.sock.sendall(frame[start : start + 3000])
+            time.sleep(0.002)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    got = right.recv(soon())
+    sender.join(5)
+    assert isinstance(got, LookupRequest) and got.block_keys() == keys(1000)
 
 
 # ---------------------------------------------------------------- pinned slots
@@ -427,3 +612,36 @@ def test_an_expired_lease_unpins_its_slots() -> None:
     assert slots.allocate(b, slots.protected()) is None
     slots.reap(now=10.0)
     assert slots.pinned == 0 and slots.allocate(b, slots.protected()) == slot
+
+
+def test_a_server_of_another_version_is_named_so_whatever_it_answers(
+    pair: tuple[Channel, Channel],
+) -> None:
+    """An older server cannot parse this version's join and answers with a protocol
+    error; the client still says what is wrong: the versions."""
+    client, server = pair
+
+    def old_server() -> None:
+        server.send(
+            Hello(
+                version=PROTOCOL_VERSION - 1,
+                service="tcp",
+                nonce="4" * 32,
+                layout=None,
+                max_frame_bytes=LIMITS.max_frame_bytes,
+                max_header_bytes=LIMITS.max_header_bytes,
+            ),
+            deadline=soon(),
+        )
+        server.recv(soon())
+        server.send(
+            Error(code="protocol", message="join: version: Input should be 2"), deadline=soon()
+        )
+
+    thread = threading.Thread(target=old_server)
+    thread.start()
+    with pytest.raises(
+        IncompatiblePeerError, match="protocol version differs: the producer speaks"
+    ):
+        join_handshake(client, service="tcp", layout=None, secret=None, deadline=soon())
+    thread.join(5)

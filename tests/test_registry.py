@@ -240,3 +240,17 @@ def test_cli_schema_prints_the_backend_config_model() -> None:
 
 def test_unavailable_backend_error_is_an_import_error() -> None:
     assert issubclass(BackendUnavailableError, ImportError)
+
+
+def test_listing_says_which_servers_are_open_to_anyone_who_reaches_their_port() -> None:
+    proc = kvmux_cli("list", "--json", "--check")
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
+    for name in ("tcp", "shm"):
+        note = rows[("connectors", name)]["note"]
+        assert note is not None and "open to anyone" in note and "`secret`" in note
+    assert "no authentication" in (rows[("pipes", "tcp")]["note"] or "")
+    assert rows[("connectors", "cpu")]["note"] is None
+    table = kvmux_cli("list")
+    assert table.returncode == 0, table.stderr
+    assert "without a `secret`, anyone who reaches the port" in table.stdout

@@ -15,6 +15,7 @@ from kvmux.connectors.shm import ShmConnector
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
+from kvmux.net.handshake import Terms
 from kvmux.net.messages import LocateReply, LocateRequest, expect
 from kvmux.net.segment import SHM_DIR
 from kvmux.registry import create_connector
@@ -229,7 +230,7 @@ def locate_and_hold(conn: ShmConnector, keys: list[BlockKey]) -> tuple[PeerClien
     assert conn.layout is not None
     fingerprint = conn.layout.fingerprint()
     client = PeerClient(
-        service="shm", limits=Limits(2**20, 2**26), secret=None, layout=lambda: fingerprint
+        service="shm", limits=Limits(2**20, 2**26), secret=None, terms=lambda: Terms(fingerprint)
     )
     address = conn.address()
     deadline = time.monotonic() + 5

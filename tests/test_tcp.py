@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from kvmux.compat import ModelInfo
 from kvmux.connector import Connector
 from kvmux.errors import ClosedError
 from kvmux.handle import Status
 from kvmux.keys import chain_keys
+from kvmux.layout import KVLayout
 from kvmux.net.frames import MAGIC, Channel, Limits
-from kvmux.net.handshake import serve_handshake
+from kvmux.net.handshake import join_handshake, serve_handshake
 from kvmux.net.messages import PEER_PROTOCOL, Blocks, FetchReply, FetchRequest, expect
 from kvmux.registry import create_connector
 from kvmux.testing.peer import (
@@ -30,6 +34,7 @@ from kvmux.testing.peer import (
     make_layout,
     spawn_peer,
 )
+from kvmux.testing.suite import hostile_peers as hostile
 
 from support import P2P_GRACE_S, P2P_TIMEOUT_S, Consumer, statuses, wait_until
 
@@ -390,3 +395,121 @@ def test_close_stops_the_server_and_is_idempotent() -> None:
     with pytest.raises(ClosedError):
         conn.lookup(make_keys(1))
     assert not [t for t in threading.enumerate() if t.name.startswith("kvmux-tcp")]
+
+
+# ------------------------------------------------------------ server hardening
+
+STALLED = 200
+RSS_BOUND_MB = 40
+"""Growth allowed for 200 stalled connections; a buffer of the announced header size
+per connection cost about 210 MB before headers were read as their bytes arrive."""
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("stage", ["before-join", "after-join"])
+def test_stalled_connections_cost_the_server_little_memory(stage: str) -> None:
+    """200 connections that announce a header and stall: before their handshake (a
+    plausible join frame, cut short) or after it (no secret: anyone may join; then a
+    1 MiB header announced, one byte sent). Measured on a producer process."""
+    config = {
+        "backend": "tcp",
+        "capacity_bytes": POOL_BYTES,
+        "handshake_timeout_s": 60,  # the stalls must last through the measurement
+    }
+    with spawn_peer(config, 4, SEED) as peer:
+        endpoint = (peer.address["host"], peer.address["port"])
+        time.sleep(0.5)
+        before = _rss_mb(peer.pid)
+        socks = []
+        try:
+            for _ in range(STALLED):
+                sock = socket.create_connection(endpoint, timeout=5)
+                socks.append(sock)
+                if stage == "before-join":
+                    sock.sendall(hostile.SLOW_JOIN)
+                else:
+                    chan = Channel(sock, PEER_PROTOCOL, Limits(2**20, 2**26))
+                    join_handshake(
+                        chan, service="tcp", layout=None, secret=None, deadline=time.monotonic() + 5
+                    )
+                    sock.sendall(struct.pack("!4sI", MAGIC, 2**20 - 1) + b"{")
+            time.sleep(1.0)
+            growth = _rss_mb(peer.pid) - before
+            assert not any(map(hostile.closed_by_server, socks)), "the stalls must be held open"
+        finally:
+            for sock in socks:
+                sock.close()
+    print(f"\nRSS growth under {STALLED} stalled connections ({stage}): {growth:.1f} MB")
+    assert growth < RSS_BOUND_MB, f"{growth:.1f} MB for {STALLED} stalled connections"
+
+
+def test_idle_links_are_closed_and_the_consumer_reconnects_on_its_own() -> None:
+    caches = make_caches(SEED, 4)
+    producer = create_connector({"backend": "tcp", "idle_timeout_s": 0.3})
+    consumer = open_consumer(num_blocks=4)
+    try:
+        producer.register(make_layout(caches), caches)
+        assert producer.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        assert consumer.load(make_keys(4), [0, 1, 2, 3], producer.address()).ok
+        wait_until(lambda: producer.stats()["idle_connections_closed"] >= 1, 5)
+        assert producer.stats()["server_connections"] == 0
+        again = consumer.load(make_keys(4), [0, 1, 2, 3], producer.address())
+        assert again.ok and torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+    finally:
+        consumer.connector.close()
+        producer.close()
+
+
+def test_a_consumer_of_another_model_fails_every_key_naming_the_field() -> None:
+    caches = make_caches(SEED, 4)
+    producer = create_connector({"backend": "tcp"})
+    consumer = create_connector({"backend": "tcp", "timeout_s": P2P_TIMEOUT_S})
+    try:
+        producer.register(
+            KVLayout.from_caches(caches, 16, model=ModelInfo(name="/models/a", dtype="float16")),
+            caches,
+        )
+        assert producer.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        mine = empty_caches(4)
+        other = ModelInfo(name="/models/b", dtype="float16")
+        consumer.register(KVLayout.from_caches(mine, 16, model=other), mine)
+        result = consumer.load(make_keys(4), [0, 1, 2, 3], producer.address()).result(10)
+        assert statuses(result) == ["failed"] * 4
+        reason = result.outcomes[0].reason or ""
+        assert "IncompatiblePeerError" in reason
+        assert "model differs: the producer's is '/models/a', the consumer's '/models/b'" in reason
+        assert not any(t.any() for t in mine.values())
+        assert consumer.lookup(make_keys(4), producer.address()) == 0
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_past_max_connections_of_joined_clients_a_newcomer_is_told_busy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvmux.net.server")
+    caches = make_caches(SEED, 4)
+    producer = create_connector({"backend": "tcp", "max_connections": 1})
+    first, second = open_consumer(num_blocks=4), open_consumer(num_blocks=4)
+    try:
+        producer.register(make_layout(caches), caches)
+        assert producer.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        assert first.load(make_keys(4), [0, 1, 2, 3], producer.address()).ok  # keeps its link
+        refused = second.load(make_keys(4), [0, 1, 2, 3], producer.address())
+        assert statuses(refused) == ["failed"] * 4
+        assert "busy" in (refused.outcomes[0].reason or "")
+        assert "max_connections" in (refused.outcomes[0].reason or "")
+        assert producer.stats()["refused_connections"] == 1
+        lines = [r.getMessage() for r in caplog.records if "max_connections=1" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert first.load(make_keys(4), [0, 1, 2, 3], producer.address()).ok
+    finally:
+        first.connector.close()
+        second.connector.close()
+        producer.close()

@@ -66,10 +66,11 @@ class FakeEngine:
         num_blocks: int = 64,
         max_batched: int = 64,
         layers: int = 2,
+        dtype: str = "float32",
     ) -> None:
         load_general_plugins()  # what every vLLM process does: kvmux's entry point registers it
         self.config = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=1024),
+            model_config=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=1024),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=8,
                 max_num_batched_tokens=max_batched,

@@ -75,6 +75,16 @@ class ProtocolError(TransferError):
     """A peer sent a frame that is garbage, truncated, oversized or unexpected."""
 
 
+class PeerRestartedError(TransferError):
+    """The process at a peer's address is not the one that published the blocks asked
+    for (it restarted, or another took its port): those blocks are gone."""
+
+
+class IncompatiblePeerError(KvmuxError):
+    """A peer whose blocks are not this instance's KV: another model, dtype, tensor-
+    parallel shard or protocol version. The message names the field that differs."""
+
+
 class CapacityError(KvmuxError):
     """A block that can never fit in the backend, whatever is evicted."""
 

@@ -123,7 +123,10 @@ class ChecksumConnector(Connector):
         )
         spec = LayerSpec(name=name, shape=tuple(trailers.shape), dtype="uint8", block_dim=0)
         extended = KVLayout(
-            layers=(*layout.layers, spec), block_size=layout.block_size, device=layout.device
+            layers=(*layout.layers, spec),
+            block_size=layout.block_size,
+            device=layout.device,
+            model=layout.model,
         )
         self.inner.register(extended, {**caches, name: trailers})
         self._trailers = trailers

@@ -4,6 +4,8 @@ Built from the per-layer tensors an engine hands over. Two instances exchange
 blocks only when their fingerprints match, so a layout mismatch is refused at
 handshake instead of decoding garbage. The number of blocks is not part of the
 fingerprint: a producer and a consumer usually have pools of different sizes.
+Nor is the model the engine declares (``model``): it is compared by field at
+the handshake (:mod:`kvmux.compat`), so a refusal can say what differs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from functools import cached_property
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvmux.compat import ModelInfo
 from kvmux.errors import LayoutError
 
 
@@ -91,6 +94,11 @@ class KVLayout(BaseModel):
     layers: tuple[LayerSpec, ...] = Field(min_length=1)
     block_size: int = Field(ge=1, description="tokens per block")
     device: str = "cpu"
+    model: ModelInfo | None = Field(
+        None,
+        description="the model whose KV this is, as the engine names it (checked against a "
+        "peer's at the handshake; not part of the fingerprint). None: not declared",
+    )
 
     @model_validator(mode="after")
     def _same_block_count(self) -> KVLayout:
@@ -109,6 +117,7 @@ class KVLayout(BaseModel):
         block_size: int,
         block_dim: int = 0,
         dims: str | None = None,
+        model: ModelInfo | None = None,
     ) -> KVLayout:
         if not caches:
             raise LayoutError("no KV tensors given")
@@ -125,7 +134,7 @@ class KVLayout(BaseModel):
             )
             for name, t in caches.items()
         )
-        return cls(layers=layers, block_size=block_size, device=devices.pop())
+        return cls(layers=layers, block_size=block_size, device=devices.pop(), model=model)
 
     @property
     def num_blocks(self) -> int:

@@ -9,6 +9,10 @@ whose import raises looks installed. So each row's ``available`` is
 * ``false``: cannot load here; ``reason`` says why and what to install;
 * ``null``: installed, nothing known against it, not imported (the table
   says ``installed (not checked)``).
+
+With ``--check``, a backend that serves a TCP port (its config has a
+``port``) gets a ``note``: open to anyone who reaches that port unless a
+``secret`` is set (or, with no ``secret`` field, at all).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from typing import Any
 from kvmux.registry.entries import GROUPS, BackendEntry, scan_all
 
 NOT_CHECKED = "installed (not checked)"
+OPEN_PORT_FOOTER = (
+    "note: backends that serve a TCP port bind 127.0.0.1 unless `host` says otherwise; "
+    "without a `secret`, anyone who reaches the port can read their blocks "
+    "(`kvmux list --check` marks them)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help='print a JSON array; "available" is true (imported), false (cannot load: see '
-        '"reason") or null (installed, not checked)',
+        '"reason") or null (installed, not checked); "note" marks open ports (--check)',
     )
     parser.add_argument(
         "--check",
@@ -51,6 +60,7 @@ def records(check: bool = False, group: str | None = None) -> list[dict[str, Any
                 "version": entry.version,
                 "available": available,
                 "reason": reason,
+                "note": _port_note(entry) if available else None,
                 "entry_point": entry.value,
                 "shadowed_by": entry.shadowed_by,
             }
@@ -71,6 +81,18 @@ def _availability(entry: BackendEntry, check: bool) -> tuple[bool | None, str | 
     return reason is None, reason
 
 
+def _port_note(entry: BackendEntry) -> str | None:
+    """What a backend that listens on a port exposes (it is loaded: ``--check``)."""
+    from kvmux.registry.loader import config_model_of, load_class
+
+    fields = config_model_of(load_class(entry)).model_fields
+    if "port" not in fields:
+        return None
+    if "secret" in fields:
+        return "serves a TCP port: open to anyone who reaches it unless `secret` is set"
+    return "serves a TCP port with no authentication: open to anyone who reaches it"
+
+
 def run(args: argparse.Namespace) -> int:
     rows = records(check=args.check, group=args.group)
     if args.json:
@@ -81,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"\n{NOT_CHECKED}: metadata only; `kvmux list --check` imports each to confirm it loads"
         )
+    print(OPEN_PORT_FOOTER)
     return 0
 
 
@@ -104,4 +127,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def _status(row: dict[str, Any]) -> str:
     if row["available"] is None:
         return NOT_CHECKED
-    return "available" if row["available"] else f"unavailable: {row['reason']}"
+    if not row["available"]:
+        return f"unavailable: {row['reason']}"
+    return f"available; {row['note']}" if row["note"] else "available"

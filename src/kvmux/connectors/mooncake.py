@@ -22,6 +22,12 @@ Never wrong bytes and never a hang: the consumer waits at most ``timeout_s``
 (and never past the lease, counted from before it asked), then fails the keys;
 see :mod:`kvmux.net.mooncake_engine` for why and for the one caveat (a frozen
 peer's late writes). TE listens on ``0.0.0.0`` whatever ``te_host`` says.
+
+A producer restarted on its control port is told apart by its incarnation
+(:mod:`kvmux.net.served_pool`), before TE is asked for anything. TE itself
+keeps the dead engine's segment descriptor (its Python API has no call to
+drop one); the new engine listens on a new random RPC port, a segment name of
+its own, and every read's addresses come from the new producer's reply.
 """
 
 from __future__ import annotations

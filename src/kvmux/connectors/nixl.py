@@ -42,7 +42,6 @@ from kvmux.net.client import Link
 from kvmux.net.messages import NixlLocateReply, Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
 from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
-from kvmux.net.served_pool import PeerAddress
 from kvmux.net.server import Session
 
 _UNPIN = re.compile(rb"^kvmux-unpin:([0-9]{1,19})$")
@@ -259,9 +258,9 @@ class NixlConnector(PinnedPoolConnector):
             self._peers[endpoint] = name
             return name
 
-    def _forget_peer(self, peer: PeerAddress) -> None:
+    def _forget_peer(self, endpoint: tuple[str, int]) -> None:
         with self._peers_lock:
-            name = self._peers.pop(peer.endpoint, None)
+            name = self._peers.pop(endpoint, None)
             if name is not None and name not in self._peers.values():
                 self._agent.remove_remote(name)
 

@@ -118,9 +118,9 @@ class ShmConnector(PinnedPoolConnector):
                 self._mapped.popitem(last=False)
         return mapped
 
-    def _forget_peer(self, peer: PeerAddress) -> None:
+    def _forget_peer(self, endpoint: tuple[str, int]) -> None:
         with self._mapped_lock:
-            self._mapped.pop(peer.endpoint, None)
+            self._mapped.pop(endpoint, None)
 
     def _close(self) -> None:
         super()._close()

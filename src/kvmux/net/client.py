@@ -6,6 +6,14 @@ A cached link may have died with its peer since; if it fails before the peer
 sent a single byte of the answer, the exchange is retried once on a fresh
 link. Any other failure closes the link: a stream in an unknown state is
 never reused.
+
+Every server announces a random *incarnation* in its hello. A caller that
+knows which incarnation published what it asks for (it is in the producer's
+``address()``) passes it along, and an exchange with any other process at
+that address fails at once with PeerRestartedError, instead of asking a new
+process for blocks it never had. A handshake that meets a new incarnation at
+a known address drops the links to the old one and tells the connector
+(``on_restart``), which drops whatever else it cached for that peer.
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvmux.errors import ClosedError, TransferError, TransferTimeout
+from kvmux.errors import ClosedError, PeerRestartedError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
-from kvmux.net.handshake import PeerInfo, join_handshake
+from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, join_handshake
 from kvmux.net.messages import PEER_PROTOCOL, Service
 
 T = TypeVar("T")
@@ -44,35 +52,62 @@ class PeerClient:
         service: Service,
         limits: Limits,
         secret: str | None,
-        layout: Callable[[], str | None],
+        terms: Callable[[], Terms],
+        on_restart: Callable[[tuple[str, int]], None] = lambda endpoint: None,
     ) -> None:
         self._service = service
         self._limits = limits
         self._secret = secret
-        self._layout = layout
+        self._terms = terms
+        self._on_restart = on_restart
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[Link]] = {}
         self._busy: set[Link] = set()
+        self._incarnations: dict[tuple[str, int], str] = {}
+        """The incarnation last met at each endpoint."""
         self._closed = False
 
-    def call(self, peer: tuple[str, int], deadline: float, exchange: Callable[[Link], T]) -> T:
+    def call(
+        self,
+        peer: tuple[str, int],
+        deadline: float,
+        exchange: Callable[[Link], T],
+        *,
+        incarnation: str | None = None,
+    ) -> T:
         """Run ``exchange`` on a link to ``peer``; the link returns to the cache only if
-        ``exchange`` returned and left its channel in step."""
+        ``exchange`` returned and left its channel in step. With ``incarnation``, a
+        peer that is another process than that one fails it with PeerRestartedError."""
         link, reused = self._checkout(peer, deadline)
         received = link.channel.bytes_received
         try:
-            return self._use(peer, link, exchange)
+            return self._use(peer, link, exchange, incarnation)
         except TransferError as exc:
             answered = link.channel.bytes_received != received
-            if not reused or answered or isinstance(exc, TransferTimeout):
+            stale = isinstance(exc, TransferTimeout | PeerRestartedError)
+            if not reused or answered or stale:
                 raise
         # A cached link the peer had closed (it restarted, or dropped idle links):
         # the others are likely stale too; one retry on a fresh connection.
         self.forget(peer)
         link, _ = self._checkout(peer, deadline)
-        return self._use(peer, link, exchange)
+        return self._use(peer, link, exchange, incarnation)
 
-    def _use(self, peer: tuple[str, int], link: Link, exchange: Callable[[Link], T]) -> T:
+    def _use(
+        self,
+        peer: tuple[str, int],
+        link: Link,
+        exchange: Callable[[Link], T],
+        incarnation: str | None,
+    ) -> T:
+        current = link.peer.incarnation
+        if incarnation is not None and current is not None and current != incarnation:
+            self._checkin(peer, link)  # a good link, to the process that is there now
+            raise PeerRestartedError(
+                f"the peer at {peer[0]}:{peer[1]} restarted: what was asked for was "
+                f"published by its incarnation {incarnation[:12]}, which is gone (it is "
+                f"now {current[:12]}); those blocks no longer exist"
+            )
         try:
             result = exchange(link)
         except BaseException:
@@ -139,17 +174,35 @@ class PeerClient:
             raise TransferTimeout(f"connecting to {peer[0]}:{peer[1]} timed out") from None
         except OSError as exc:
             raise TransferError(f"cannot connect to {peer[0]}:{peer[1]}: {exc}") from None
-        chan = Channel(sock, PEER_PROTOCOL, self._limits)
+        chan = Channel(sock, PEER_PROTOCOL, self._limits, read_ahead=HANDSHAKE_READ_AHEAD)
+        terms = self._terms()
         try:
             info = join_handshake(
                 chan,
                 service=self._service,
-                layout=self._layout(),
+                layout=terms.layout,
+                compat=terms.compat,
                 secret=self._secret,
                 deadline=deadline,
             )
         except BaseException:
             chan.close()
             raise
+        if info.incarnation is not None:
+            self._met(peer, info.incarnation)
         budget = min(self._limits.max_header_bytes, info.limits.max_header_bytes)
         return Link(peer, chan, info, budget)
+
+    def _met(self, peer: tuple[str, int], incarnation: str) -> None:
+        """Record the incarnation at ``peer``; a new one drops the old one's links."""
+        with self._lock:
+            before = self._incarnations.get(peer)
+            self._incarnations[peer] = incarnation
+            if before is None or before == incarnation:
+                return
+            idle = self._idle.get(peer, [])
+            stale = [link for link in idle if link.peer.incarnation != incarnation]
+            self._idle[peer] = [link for link in idle if link not in stale]
+        for link in stale:
+            link.channel.close()
+        self._on_restart(peer)

@@ -2,11 +2,14 @@
 
 A frame is ``MAGIC | header length (u32, big endian) | JSON header | payload``;
 the header is a :mod:`kvmux.net.messages` model and says how many payload
-bytes follow. Headers are read through a small read-ahead buffer; payloads go
-straight between the socket and their final memory with scatter/gather
-``recvmsg_into``/``sendmsg``, so a block crosses the socket without a copy of
-ours. Anything that is not a well-formed frame within the limits is a
-:class:`~kvmux.errors.ProtocolError` and the channel is unusable afterwards.
+bytes follow. Headers are read through a small read-ahead buffer, and only as
+their bytes arrive: a peer that announces a large header and stalls holds no
+more memory than it has sent (an up-front buffer of the announced size let 200
+stalled connections cost a server 200 MB). Payloads go straight between the
+socket and their final memory with scatter/gather ``recvmsg_into``/``sendmsg``,
+so a block crosses the socket without a copy of ours. Anything that is not a
+well-formed frame within the limits is a :class:`~kvmux.errors.ProtocolError`
+and the channel is unusable afterwards.
 
 A large payload starts at a page-aligned offset of the byte stream: the
 sender pads the JSON header with spaces to get there. Both kernel copies
@@ -39,7 +42,8 @@ from kvmux.net.messages import Message
 
 MAGIC = b"KVMX"
 PREFIX = struct.Struct("!4sI")
-_READ_AHEAD = 16 * 1024
+READ_AHEAD = 16 * 1024
+"""Read-ahead of a channel whose peer is known (after the handshake)."""
 _IOV_MAX = 1024
 _PAGE = 4096
 ALIGN_MIN_PAYLOAD = 64 * 1024
@@ -58,7 +62,14 @@ class Limits:
 class Channel:
     """One framed connection. Not thread-safe: one sender and one receiver at a time."""
 
-    def __init__(self, sock: socket.socket, protocol: TypeAdapter[Any], limits: Limits) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        protocol: TypeAdapter[Any],
+        limits: Limits,
+        *,
+        read_ahead: int = READ_AHEAD,
+    ) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Headers are small writes; Nagle would hold them back for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -67,8 +78,7 @@ class Channel:
         self.limits = limits
         self._protocol = protocol
         self._timeouts = {socket.SO_RCVTIMEO: -1.0, socket.SO_SNDTIMEO: -1.0}
-        self._buf = bytearray(_READ_AHEAD)
-        self._view = memoryview(self._buf)
+        self._view = memoryview(bytearray(read_ahead))
         self._start = 0
         self._end = 0
         self.bytes_sent = 0
@@ -82,6 +92,14 @@ class Channel:
         """Set by any failure that leaves the stream out of step; close it then."""
         self.peer = _describe(sock)
         """The other end, for messages."""
+
+    def set_read_ahead(self, nbytes: int) -> None:
+        """Resize the read-ahead buffer, keeping what it holds unread. A server starts
+        a connection with a tiny one and grows it once the peer has joined."""
+        pending = self._view[self._start : self._end]
+        view = memoryview(bytearray(max(nbytes, len(pending))))
+        view[: len(pending)] = pending
+        self._view, self._start, self._end = view, 0, len(pending)
 
     # ---------------------------------------------------------------- sending
 
@@ -118,12 +136,20 @@ class Channel:
 
     # -------------------------------------------------------------- receiving
 
-    def recv(self, deadline: float | None, *, frame_timeout: float | None = None) -> Message:
+    def recv(
+        self,
+        deadline: float | None,
+        *,
+        frame_timeout: float | None = None,
+        max_header_bytes: int | None = None,
+    ) -> Message:
         """The next frame's header (its payload must then be read with ``recv_into``).
 
         Waits for the frame to start until ``deadline`` (None: forever); a
         TransferTimeout then leaves the stream intact. Once it started, the
         rest must come by ``deadline`` or, if given, within ``frame_timeout``.
+        ``max_header_bytes`` lowers the header limit for this frame (the
+        handshake's, before the peer is known).
         """
         if self._start == self._end:
             self._fill(deadline, idle=True)
@@ -133,11 +159,13 @@ class Channel:
         if magic != MAGIC:
             self.broken = True
             raise ProtocolError(f"garbage from {self.peer}: not a kvmux frame")
-        if header_len > self.limits.max_header_bytes:
+        limit = self.limits.max_header_bytes
+        if max_header_bytes is not None:
+            limit = min(limit, max_header_bytes)
+        if header_len > limit:
             self.broken = True
             raise ProtocolError(
-                f"{self.peer} sent a header of {header_len} bytes, over "
-                f"max_header_bytes={self.limits.max_header_bytes}"
+                f"{self.peer} sent a header of {header_len} bytes, over max_header_bytes={limit}"
             )
         raw = self._read_exact(header_len, deadline)
         try:
@@ -183,13 +211,20 @@ class Channel:
                     got = 0
 
     def _read_exact(self, n: int, deadline: float | None) -> bytes:
+        """The next ``n`` bytes of the stream, gathered through the read-ahead buffer as
+        they arrive: the memory held grows with what the peer sent, not with ``n``."""
         if self._end - self._start >= n:
             out = bytes(self._view[self._start : self._start + n])
             self._start += n
             return out
-        out_buf = bytearray(n)
-        self.recv_into([memoryview(out_buf)], deadline)
-        return bytes(out_buf)
+        gathered = bytearray()
+        while True:
+            take = min(self._end - self._start, n - len(gathered))
+            gathered += self._view[self._start : self._start + take]
+            self._start += take
+            if len(gathered) == n:
+                return bytes(gathered)
+            self._fill(deadline, idle=False)
 
     def _fill(self, deadline: float | None, *, idle: bool) -> None:
         """Read ahead into the (empty) buffer; a failure leaves it empty."""

@@ -40,13 +40,16 @@ from pydantic import (
     model_validator,
 )
 
-from kvmux.errors import LayoutError, ProtocolError, TransferError
+from kvmux.compat import Compat
+from kvmux.errors import IncompatiblePeerError, LayoutError, ProtocolError, TransferError
 from kvmux.keys import BlockKey
 from kvmux.layout import torch_dtype
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Of the pool conversation (hello/join). 2: keys travel as digests in runs, rows
-and found flags as packed bytes; a version-1 peer is refused at the handshake."""
+and found flags as packed bytes. 3: the handshake carries the server's
+incarnation and both sides' compatibility fingerprints. A peer of another
+version is refused at the handshake, naming both versions."""
 PIPE_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_REQUEST = 4096
 """Keys in one lookup/fetch/locate; larger calls are split by the client."""
@@ -88,27 +91,39 @@ class Message(BaseModel):
 # ------------------------------------------------------------------ handshake
 
 
+Version = Annotated[int, Field(ge=1, le=2**16)]
+
+
 class Hello(Message):
-    """The server's first words: who it is and a fresh nonce to authenticate against."""
+    """The server's first words: who it is and a fresh nonce to authenticate against.
+
+    ``incarnation`` is random per server instance: a client that holds an address
+    naming another incarnation knows at once that the blocks it names are gone
+    (the peer restarted on the same port). ``version`` is any number, so a
+    peer of another version is told which, instead of failing to parse."""
 
     kind: Literal["hello"] = "hello"
-    version: Literal[2] = PROTOCOL_VERSION
+    version: Version = PROTOCOL_VERSION
     service: Service
     nonce: Hex16
+    incarnation: Hex16 | None = None
     layout: Fingerprint | None
+    compat: Compat | None = None
     max_frame_bytes: FrameLimit
     max_header_bytes: FrameLimit
 
 
 class Join(Message):
-    """The client's answer: its layout, limits, its own nonce and its proof of the secret."""
+    """The client's answer: its layout and fingerprint, limits, its own nonce and its
+    proof of the secret."""
 
     kind: Literal["join"] = "join"
-    version: Literal[2] = PROTOCOL_VERSION
+    version: Version = PROTOCOL_VERSION
     service: Service
     nonce: Hex16
     mac: Mac | None
     layout: Fingerprint | None
+    compat: Compat | None = None
     max_frame_bytes: FrameLimit
     max_header_bytes: FrameLimit
 
@@ -120,7 +135,9 @@ class Welcome(Message):
     mac: Mac | None
 
 
-ErrorCode = Literal["layout_mismatch", "auth", "service", "protocol", "internal"]
+ErrorCode = Literal[
+    "layout_mismatch", "incompatible", "auth", "service", "busy", "protocol", "internal"
+]
 
 
 class Error(Message):
@@ -133,6 +150,8 @@ class Error(Message):
     def to_exception(self) -> Exception:
         if self.code == "layout_mismatch":
             return LayoutError(self.message)
+        if self.code == "incompatible":
+            return IncompatiblePeerError(self.message)
         return TransferError(f"peer refused ({self.code}): {self.message}")
 
 

@@ -7,11 +7,23 @@ lookups and serves their pulls; ``load(source=None)`` reads the own pool (the
 ``kv_both`` reuse case) and ``load(source=address)`` pulls from a peer. How
 the bytes of a pull travel is the subclass's business: over the socket
 (``tcp``) or through a shared segment (``shm``).
+
+Each instance has a random *incarnation*, in its ``address()`` and in every
+handshake: a consumer holding the address of an instance that has since died
+and been replaced on the same port fails those keys at once, saying so, and
+its next pull with the new address works (the dead peer's links, mapped
+segments and agents are dropped). The address also carries the instance's
+compatibility fingerprint (:mod:`kvmux.compat`), so an engine can tell before
+asking that a producer runs another model.
+
+Without a ``secret``, the server answers anyone who can reach its port; it
+binds 127.0.0.1 unless ``host`` says otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -21,15 +33,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from kvmux.capabilities import Capabilities
+from kvmux.compat import Compat
 from kvmux.connector import Address, Health
 from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
-from kvmux.errors import InvalidRequestError, KvmuxError, TransferError
+from kvmux.errors import InvalidRequestError, KvmuxError, PeerRestartedError, TransferError
 from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link, PeerClient
 from kvmux.net.frames import Limits
-from kvmux.net.handshake import layout_mismatch
+from kvmux.net.handshake import Terms, refusal
 from kvmux.net.messages import (
     Error,
     LookupReply,
@@ -39,7 +52,7 @@ from kvmux.net.messages import (
     expect,
     key_batches,
 )
-from kvmux.net.server import FrameServer, Handler, Session
+from kvmux.net.server import FrameServer, Handler, ServerLimits, Session
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +61,27 @@ class ServedPoolConfig(CpuPoolConfig):
     host: str = Field("127.0.0.1", description="address the server listens on")
     port: int = Field(0, ge=0, le=65535, description="listening port; 0 picks a free one")
     secret: SecretStr | None = Field(
-        None, description="shared secret both peers must prove (HMAC); never sent"
+        None,
+        description="shared secret both peers must prove (HMAC); never sent. Without one "
+        "the server is open to anyone who can reach its port",
     )
     max_frame_bytes: int = Field(
         64 * 2**20, ge=2**16, description="largest frame accepted from a peer, header included"
     )
     max_header_bytes: int = Field(
         2**20, ge=2**16, description="largest frame header accepted from a peer"
+    )
+    max_connections: int = Field(
+        256,
+        ge=1,
+        description="connections the server keeps open at once; past it, the oldest one "
+        "still in its handshake is dropped, else the newcomer is refused (counted, logged)",
+    )
+    handshake_timeout_s: float = Field(
+        3.0, gt=0, description="a connection that has not joined within this is closed"
+    )
+    idle_timeout_s: float = Field(
+        300.0, gt=0, description="a joined connection without a request for this long is closed"
     )
 
 
@@ -66,6 +93,8 @@ class PeerAddress(BaseModel):
     host: str
     port: int = Field(ge=1, le=65535)
     host_id: str | None = None
+    incarnation: str | None = Field(None, max_length=64)
+    """The instance that published; any other at this endpoint no longer has its blocks."""
 
     @classmethod
     def parse(cls, address: Address) -> PeerAddress:
@@ -99,23 +128,30 @@ class ServedPoolConnector(CpuPoolConnector):
 
     def __init__(self, config: ServedPoolConfig) -> None:
         super().__init__(config)
-        self._fingerprint: str | None = None
+        self._terms = Terms(layout=None)
+        """What this instance declares at handshakes; set by ``register``."""
+        self.incarnation = secrets.token_hex(16)
         secret = config.secret.get_secret_value() if config.secret is not None else None
         self._limits = Limits(config.max_header_bytes, config.max_frame_bytes)
         self._client = PeerClient(
             service=self.service,
             limits=self._limits,
             secret=secret,
-            layout=lambda: self._fingerprint,
+            terms=lambda: self._terms,
+            on_restart=self._forget_peer,
         )
         self._server = FrameServer(
             host=config.host,
             port=config.port,
             service=self.service,
             limits=self._limits,
+            server_limits=ServerLimits(
+                config.max_connections, config.handshake_timeout_s, config.idle_timeout_s
+            ),
             timeout_s=config.timeout_s,
             secret=secret,
-            layout=lambda: self._fingerprint,
+            terms=lambda: self._terms,
+            incarnation=self.incarnation,
             handlers={LookupRequest: self._serve_lookup, **self._handlers()},
             on_close=self._session_closed,
         )
@@ -140,15 +176,16 @@ class ServedPoolConnector(CpuPoolConnector):
     def _check_peer(self, peer: PeerAddress) -> None:
         """Hook: refuse a peer this transport cannot reach (raise TransferError)."""
 
-    def _forget_peer(self, peer: PeerAddress) -> None:
-        """Hook: drop anything cached for a peer that failed."""
+    def _forget_peer(self, endpoint: tuple[str, int]) -> None:
+        """Hook: drop anything cached for the peer at ``endpoint`` (it failed, or a new
+        incarnation of it answers there now)."""
 
     # ------------------------------------------------------------------ storage
 
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
         super()._register(layout, caches)
         with self._lock:
-            self._fingerprint = layout.fingerprint()
+            self._terms = Terms(layout.fingerprint(), Compat.of(layout))
 
     def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if source is None:
@@ -159,12 +196,15 @@ class ServedPoolConnector(CpuPoolConnector):
             self._check_peer(peer)
             deadline = time.monotonic() + self.config.timeout_s
             found = self._client.call(
-                peer.endpoint, deadline, lambda link: self._ask_prefix(link, keys, deadline)
+                peer.endpoint,
+                deadline,
+                lambda link: self._ask_prefix(link, keys, deadline),
+                incarnation=peer.incarnation,
             )
         except KvmuxError as exc:
             self._stats.add("lookup_errors")
             log.warning("kvmux %s: lookup at %s:%s failed: %s", self.service, *peer.endpoint, exc)
-            self._forget(peer)
+            self._forget(peer, exc)
         return found
 
     @staticmethod
@@ -206,30 +246,38 @@ class ServedPoolConnector(CpuPoolConnector):
                 nbytes += moved
 
         try:
-            self._client.call(peer.endpoint, deadline, exchange)
+            self._client.call(peer.endpoint, deadline, exchange, incarnation=peer.incarnation)
         except KvmuxError as exc:
-            self._forget(peer)
+            self._forget(peer, exc)
             if isinstance(exc, PullInterrupted):
                 outcomes.extend(exc.outcomes)
             reason = f"{type(exc).__name__}: pulling from {peer.host}:{peer.port}: {exc}"
             outcomes.extend([failed(reason)] * (len(keys) - len(outcomes)))
         return outcomes, nbytes
 
-    def _forget(self, peer: PeerAddress) -> None:
+    def _forget(self, peer: PeerAddress, cause: KvmuxError) -> None:
+        """Drop what is cached for a peer that failed. Not for a restarted one: the
+        links and agents it has now are good, and the handshake dropped the old ones."""
+        if isinstance(cause, PeerRestartedError):
+            return
         self._client.forget(peer.endpoint)
-        self._forget_peer(peer)
+        self._forget_peer(peer.endpoint)
 
     # ------------------------------------------------------------------- server
 
     def _layout_refused(self, session: Session) -> bool:
-        """Re-check the layout per request: a client that joined before this
-        instance registered must still never receive blocks of another layout."""
-        mismatch = layout_mismatch(self._fingerprint, session.peer.layout)
-        if mismatch is None and session.peer.layout is None and self._fingerprint is not None:
-            mismatch = "the client registered no KV layout; it cannot receive blocks"
-        if mismatch is None:
+        """Re-check the terms per request: a client that joined before this instance
+        registered must still never receive blocks of another model or layout."""
+        mine, theirs = self._terms, session.peer
+        refused = refusal(mine, Terms(theirs.layout, theirs.compat))
+        if refused is None and theirs.layout is None and mine.layout is not None:
+            refused = Error(
+                code="layout_mismatch",
+                message="the client registered no KV layout; it cannot receive blocks",
+            )
+        if refused is None:
             return False
-        session.send(Error(code="layout_mismatch", message=mismatch))
+        session.send(refused)
         return True
 
     def _serve_lookup(self, session: Session, req: LookupRequest) -> None:
@@ -241,7 +289,14 @@ class ServedPoolConnector(CpuPoolConnector):
     # ------------------------------------------------------------------- public
 
     def address(self) -> dict[str, Any]:
-        return {"host": self._server.host, "port": self._server.port, "layout": self._fingerprint}
+        terms = self._terms
+        return {
+            "host": self._server.host,
+            "port": self._server.port,
+            "incarnation": self.incarnation,
+            "layout": terms.layout,
+            "compat": terms.compat.model_dump(mode="json", exclude_none=True),
+        }
 
     def health(self) -> Health:
         if self._closed:
@@ -252,9 +307,13 @@ class ServedPoolConnector(CpuPoolConnector):
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
+        server = self._server
         out.update(
-            server_connections=self._server.connections,
-            rejected_connections=self._server.rejected,
+            server_connections=server.connections,
+            rejected_connections=server.rejected,
+            refused_connections=server.refused,
+            handshake_timeouts=server.handshake_timeouts,
+            idle_connections_closed=server.idle_closed,
         )
         return out
 

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvmux.adapters.vllm.config import split_extra_config
-from kvmux.adapters.vllm.keys import default_namespace
+from kvmux.adapters.vllm.keys import default_namespace, model_info
 from kvmux.adapters.vllm.metadata import KvmuxMetadata
 from kvmux.adapters.vllm.scheduler import SchedulerSide
 from kvmux.adapters.vllm.stats import KvmuxPromMetrics, KvmuxStats
@@ -69,6 +69,9 @@ class KvmuxConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 num_blocks=kv_cache_config.num_blocks,
                 key_suffix=_tensor_parallel_suffix(vllm_config),
+                model=model_info(
+                    vllm_config, options.namespace, _tensor_parallel_rank(vllm_config)
+                ),
             )
 
     @property
@@ -185,6 +188,13 @@ def _tensor_parallel_suffix(vllm_config: Any) -> str:
     size = vllm_config.parallel_config.tensor_parallel_size
     if size <= 1:
         return ""
+    return f"/tp{_tensor_parallel_rank(vllm_config)}of{size}"
+
+
+def _tensor_parallel_rank(vllm_config: Any) -> int:
+    if vllm_config.parallel_config.tensor_parallel_size <= 1:
+        return 0
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return f"/tp{get_tensor_model_parallel_rank()}of{size}"
+    rank: int = get_tensor_model_parallel_rank()
+    return rank

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from kvmux.compat import ModelInfo
 from kvmux.keys import BlockKey, token_bytes
 
 
@@ -25,6 +26,19 @@ def default_namespace(vllm_config: Any) -> str:
     cache = vllm_config.cache_config
     parts = [str(model.model), str(model.dtype), str(cache.cache_dtype), str(cache.block_size)]
     return "vllm-" + _short_hash("|".join(parts))
+
+
+def model_info(vllm_config: Any, namespace: str | None, tp_rank: int) -> ModelInfo:
+    """The model as a P2P handshake compares it: by name (the adapter's ``namespace``
+    when set, which declares differently named copies to be one model), dtype and
+    tensor-parallel shard."""
+    model = vllm_config.model_config
+    return ModelInfo(
+        name=namespace or str(model.model),
+        dtype=str(model.dtype).removeprefix("torch."),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=tp_rank,
+    )
 
 
 def request_namespace(base: str, request: Any) -> str:

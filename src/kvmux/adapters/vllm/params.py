@@ -17,10 +17,12 @@ blocks per tensor-parallel rank only).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmux.compat import Compat, difference
 from kvmux.keys import BlockKey
 
 
@@ -83,3 +85,24 @@ class TransferParams(BaseModel):
 def published_key_matches(published: Published, keys: list[BlockKey]) -> bool:
     """Whether the consumer's own last key equals the producer's (same tokens, same model)."""
     return bool(keys) and keys[-1].id == published.last_key
+
+
+def published_mismatch(
+    published: Published,
+    namespace: str,
+    keys: list[BlockKey],
+    own_address: Mapping[str, Any] | None,
+) -> str | None:
+    """Why the published KV is not this request's (None: it is), for one log line.
+
+    Another model shows as another namespace; when both sides' P2P addresses carry
+    their compatibility fingerprints, the field that differs is named instead of
+    the two namespace hashes."""
+    if published.namespace == namespace:
+        if published_key_matches(published, keys):
+            return None
+        return "its last block's key is not this prompt's: other tokens"
+    diff = difference(Compat.in_address(published.source), Compat.in_address(own_address))
+    if diff is not None:
+        return f"another model: {diff}"
+    return f"another model or request namespace: {published.namespace} vs {namespace}"

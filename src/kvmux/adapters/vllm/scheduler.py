@@ -16,7 +16,7 @@ from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.keys import RequestKeys, request_namespace
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
-from kvmux.adapters.vllm.params import Published, TransferParams, published_key_matches
+from kvmux.adapters.vllm.params import Published, TransferParams, published_mismatch
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey
@@ -113,15 +113,12 @@ class SchedulerSide:
             )
             return 0, False
         keys = tracked.keys.upto(request.prompt_token_ids, published.num_tokens)
-        if published.namespace != tracked.keys.namespace or not published_key_matches(
-            published, keys
-        ):
+        why = published_mismatch(published, tracked.keys.namespace, keys, self._worker_address())
+        if why is not None:
             log.warning(
-                "kvmux: request %s: the prefill's KV is for other tokens or another model "
-                "(namespace %s vs %s); computing locally",
+                "kvmux: request %s: the prefill's KV is not this request's (%s); computing locally",
                 request.request_id,
-                published.namespace,
-                tracked.keys.namespace,
+                why,
             )
             return 0, False
         count = published.num_tokens - num_computed
@@ -281,9 +278,7 @@ class SchedulerSide:
         request = tracked.request
         n = request.num_prompt_tokens
         keys = tracked.keys.upto(request.prompt_token_ids, n)
-        address = self._address
-        if address is None and (worker := live.find(self.engine_id)) is not None:
-            address = worker.address()
+        address = self._worker_address()
         host = address.get("host") if address else None
         port = address.get("port") if address else None
         params = TransferParams(
@@ -307,6 +302,13 @@ class SchedulerSide:
         return params.model_dump(mode="json")
 
     # ---------------------------------------------------------------- helpers
+
+    def _worker_address(self) -> dict[str, Any] | None:
+        """This engine's worker's ``address()``: from its handshake, or from the worker
+        itself when it runs in this process."""
+        if self._address is None and (worker := live.find(self.engine_id)) is not None:
+            return worker.address()
+        return self._address
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)

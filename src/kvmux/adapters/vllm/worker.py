@@ -22,6 +22,7 @@ from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
 from kvmux.adapters.vllm.stats import worker_rank, worker_report
+from kvmux.compat import ModelInfo
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
 from kvmux.errors import LayoutError
@@ -60,12 +61,15 @@ class WorkerSide:
         block_size: int,
         num_blocks: int,
         key_suffix: str = "",
+        model: ModelInfo | None = None,
     ) -> None:
         self.options = options
         self.engine_id = engine_id
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.key_suffix = key_suffix
+        self.model = model
+        """Declared on the registered layout: P2P peers compare it at the handshake."""
         self.connector: Connector = create_connector(backend)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Saves] = {}
@@ -79,7 +83,7 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         views, block_dim, dims = self._described(kv_caches)
-        layout = KVLayout.from_caches(views, self.block_size, block_dim, dims)
+        layout = KVLayout.from_caches(views, self.block_size, block_dim, dims, self.model)
         self.connector.register(layout, views)
         live.publish(self.engine_id, self)
 

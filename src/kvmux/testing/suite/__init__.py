@@ -33,6 +33,7 @@ from kvmux.testing.suite.capacity import CapacityTests
 from kvmux.testing.suite.concurrency import ConcurrencyTests
 from kvmux.testing.suite.consumption import ConsumptionTests
 from kvmux.testing.suite.failures import FaultToleranceTests
+from kvmux.testing.suite.hostile_peers import HostilePeerTests
 from kvmux.testing.suite.lifecycle import LifecycleTests
 from kvmux.testing.suite.lookup import LookupTests
 from kvmux.testing.suite.missing import MissingKeyTests
@@ -50,6 +51,7 @@ class ConnectorSuite(
     PersistenceTests,
     CapacityTests,
     FaultToleranceTests,
+    HostilePeerTests,
     BadInputTests,
     BadConfigTests,
     LifecycleTests,
@@ -66,6 +68,7 @@ __all__ = [
     "ConnectorSuite",
     "ConsumptionTests",
     "FaultToleranceTests",
+    "HostilePeerTests",
     "LifecycleTests",
     "LookupTests",
     "MissingKeyTests",
