@@ -69,7 +69,7 @@ class DiskConfig(BackendConfig):
 
 class DiskConnector(Connector):
     config_model = DiskConfig
-    capabilities = Capabilities(persistent=True, capacity_bound=True)
+    capabilities = Capabilities(persistent=True, file_backed=True, capacity_bound=True)
     config: DiskConfig
 
     def __init__(self, config: DiskConfig) -> None:
