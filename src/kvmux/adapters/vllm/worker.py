@@ -21,6 +21,7 @@ import torch
 from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.save_failures import SaveFailureLog
 from kvmux.adapters.vllm.stats import delta
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
@@ -67,6 +68,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.key_suffix = key_suffix
         self.connector: Connector = create_connector(backend)
+        self._save_failures = SaveFailureLog(backend.backend)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Saves] = {}
         self._delay_freed: set[str] = set()
@@ -134,7 +136,9 @@ class WorkerSide:
         for transfer in meta.saves:
             keys = self._keys(transfer.keys)
             saves = self._saves.setdefault(transfer.req_id, _Saves())
-            saves.handles.append(self.connector.save(keys, transfer.block_ids))
+            handle = self.connector.save(keys, transfer.block_ids)
+            self._save_failures.watch(transfer.req_id, handle)
+            saves.handles.append(handle)
             saves.keys.extend(keys)
             if transfer.publish:
                 self._wait_published(saves)
