@@ -7,8 +7,8 @@ crash leaves either the whole block or nothing readable. With ``capacity_bytes``
 set, least recently used files are deleted to stay under the bound; recency
 survives restarts through mtimes.
 
-Integrity (``checksum: true``, the default): each file carries a CRC-32 of
-its block bound to its key (:mod:`kvmux.connectors.block_file`), verified on
+Integrity (``checksum: true``, the default): each file carries a digest
+(XXH3) of its block bound to its key (:mod:`kvmux.connectors.block_file`), verified on
 every load. A file that fails (flipped bytes, a torn write after power loss
 without ``fsync``, another key's block under this name, the wrong size) ends
 its key ``failed`` and is *removed*, so ``lookup`` stops counting it and the
@@ -62,7 +62,7 @@ class DiskConfig(BackendConfig):
     )
     checksum: bool = Field(
         True,
-        description="store a CRC-32 of each block, bound to its key, and verify it on every "
+        description="store a digest (XXH3) of each block, bound to its key, and verify it on every "
         "load (a damaged file fails and is removed); false trusts the disk",
     )
 
@@ -150,11 +150,12 @@ class DiskConnector(Connector):
                 return  # same key, same content
         fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "wb") as f:
-                self.block_format.write(f, key, row.numpy().data)
+            try:
+                self.block_format.write(fd, key, row.numpy().data)
                 if self.config.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -189,14 +190,19 @@ class DiskConnector(Connector):
         direct = self.copier.contiguous_block(block)
         target = direct if direct is not None else torch.empty(nbytes, dtype=torch.uint8)
         try:
-            with open(path, "rb") as f:
-                problem = self.block_format.read_into(f, key, target.numpy().data)
-                identity = os.fstat(f.fileno())
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self._forget(key)
             return MISSING
         except OSError as exc:
             return failed(f"read failed: {exc}")
+        try:
+            identity = os.fstat(fd)
+            problem = self.block_format.read_into(fd, identity.st_size, key, target.numpy().data)
+        except OSError as exc:
+            return failed(f"read failed: {path}: {exc}")
+        finally:
+            os.close(fd)
         if problem is not None:
             # If it was read straight into KV memory the block is now garbage, but
             # the caller recomputes a failed block.
