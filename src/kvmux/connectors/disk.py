@@ -8,8 +8,8 @@ set, least recently used files are deleted to stay under the bound; recency
 survives restarts through mtimes.
 
 Integrity (``checksum: true``, the default): each file carries a digest
-(XXH3) of its block bound to its key (:mod:`kvmux.connectors.block_file`), verified on
-every load. A file that fails (flipped bytes, a torn write after power loss
+(XXH3) of its block bound to its key (:mod:`kvmux.connectors.block_file`),
+verified on every load. A file that fails (flipped bytes, a torn write after power loss
 without ``fsync``, another key's block under this name, the wrong size) ends
 its key ``failed`` and is *removed*, so ``lookup`` stops counting it and the
 engine's recomputed block is saved afresh. Removed rather than quarantined:
