@@ -1,13 +1,14 @@
 """Deliberately broken connectors: each breaks one promise the conformance suite checks.
 
-They are small subclasses of the working ``cpu`` pool, so everything except
-the one broken behaviour is right, and ``test_suite_has_teeth`` can show that
+They are small subclasses of the working ``cpu`` pool (or ``disk``), so everything
+except the one broken behaviour is right, and ``test_suite_has_teeth`` can show that
 the suite fails exactly the tests about that behaviour.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from pydantic import ConfigDict
 from kvmux.capabilities import Capabilities
 from kvmux.connector import Address, Connector
 from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.connectors.disk import DiskConfig, DiskConnector
 from kvmux.handle import MISSING, OK, Handle, Outcome, Status, failed
 from kvmux.keys import BlockKey
 
@@ -117,7 +119,15 @@ class AcceptsAnyConfig(CpuPoolConnector):
     config_model = LaxConfig
 
 
-BROKEN: dict[str, type[CpuPoolConnector]] = {
+class TrustsItsFiles(DiskConnector):
+    """``disk`` that never checks what it reads (its checksum forced off): declares
+    ``file_backed``, and loads whatever bytes its files hold as ``ok``."""
+
+    def __init__(self, config: DiskConfig) -> None:
+        super().__init__(config.model_copy(update={"checksum": False}))
+
+
+BROKEN: dict[str, type[Connector]] = {
     cls.__name__: cls
     for cls in (
         CorruptsOnLoad,
@@ -128,17 +138,20 @@ BROKEN: dict[str, type[CpuPoolConnector]] = {
         ForgetsOnReopen,
         FailsWhenFull,
         AcceptsAnyConfig,
+        TrustsItsFiles,
     )
 }
 
 
-def factory(name: str) -> Callable[..., Connector]:
-    """A suite ``connector_factory`` for the broken class ``name`` (or ``CpuPoolConnector``)."""
+def factory(name: str, tmp_path: Path) -> Callable[..., Connector]:
+    """A suite ``connector_factory`` for the broken class ``name`` (or ``CpuPoolConnector``);
+    a backend that stores files keeps them in ``tmp_path``."""
     cls = BROKEN.get(name, CpuPoolConnector)
     model = cls.config_model
+    place = {"path": tmp_path / "store"} if "path" in model.model_fields else {}
 
     def make(**overrides: Any) -> Connector:
-        fields = {"capacity_bytes": POOL_BYTES, "timeout_s": 5.0, **overrides}
+        fields = {"capacity_bytes": POOL_BYTES, "timeout_s": 5.0, **place, **overrides}
         return cls(model(**fields))
 
     return make

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -216,3 +217,36 @@ def listening_process(
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size_kib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_kib`` KiB mounted at a new directory under ``where`` (a disk
+    that really fills up: writes fail with ENOSPC), unmounted afterwards. Needs root
+    and a kernel that lets this process mount; the test is skipped, saying which,
+    where it cannot."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount_point = where / f"tmpfs-{size_kib}k"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_up(directory: Path) -> None:
+    """Write a file into ``directory`` until its filesystem refuses another page."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc

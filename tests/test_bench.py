@@ -38,3 +38,16 @@ def test_cli_json_records_carry_the_documented_fields() -> None:
     assert record["backend"] == "cpu" and record["shape"] == "256x256KiB"
     assert record["lookup_ms_10k"] > 0
     assert "kvmux bench" in proc.stderr  # the progress bar goes to stderr
+
+
+def test_config_fields_reach_the_backend_and_are_recorded() -> None:
+    (plain,) = bench_backend("disk", TINY, repeats=1, config={"checksum": False})
+    assert plain.error is None and plain.config == {"checksum": False}
+    (typo,) = bench_backend("disk", TINY, repeats=1, config={"chekcsum": False})
+    assert typo.error is not None and "chekcsum" in typo.error
+
+
+def test_cli_config_must_be_a_json_object() -> None:
+    proc = kvmux_cli("bench", "--backend", "disk", "--config", "[1]")
+    assert proc.returncode == 2
+    assert "--config: must be a JSON object" in proc.stderr

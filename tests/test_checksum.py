@@ -52,7 +52,9 @@ def open_(memory: KVMemory) -> Iterator[Open]:
 
 
 def disk(path: Path, algorithm: str | None = "crc32") -> dict[str, Any]:
-    inner = {"backend": "disk", "path": str(path)}
+    """A disk store behind the wrapper; the disk's own checksum is off, so what these
+    tests see caught is caught by the wrapper."""
+    inner = {"backend": "disk", "path": str(path), "checksum": False}
     if algorithm is None:
         return inner
     return {"backend": "checksum", "inner": inner, "algorithm": algorithm}
@@ -78,6 +80,39 @@ def test_a_block_damaged_in_transit_ends_failed_with_the_reason(
     stats = conn.stats()
     assert (stats["checksum_verified"], stats["checksum_mismatches"]) == (3, 1)
     conn.close()
+
+
+def test_a_refused_block_is_dropped_so_lookup_stops_counting_it(memory: KVMemory) -> None:
+    pool = CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20))
+    conn = ChecksumConnector.wrap(CorruptBytes(pool, keys=[KEYS[2]]))
+    conn.register(memory.layout, memory.caches)
+    assert conn.save(KEYS, SRC).result(timeout=5).ok
+    assert conn.lookup(KEYS) == N
+    assert statuses(conn) == [Status.OK, Status.OK, Status.FAILED, Status.OK]
+    assert conn.lookup(KEYS) == 2
+    assert pool.lookup(KEYS[2:3]) == 0  # the store itself no longer has it
+    assert conn.lookup(KEYS[3:]) == 1  # the intact blocks stay
+    conn.close()
+
+
+def block_files(root: Path) -> dict[BlockKey, Path]:
+    return {k: p for k in KEYS for p in root.rglob("*.kv") if k.digest.hex() in p.name}
+
+
+def test_another_keys_intact_block_is_refused(tmp_path: Path, open_: Open) -> None:
+    """The digest covers the key: a store that hands out the right bytes under the wrong
+    name (here a file renamed to another key's) is caught, though the block is intact."""
+    first = open_(disk(tmp_path))
+    assert first.save(KEYS[:2], SRC[:2]).result(timeout=5).ok
+    first.close()
+    files = block_files(tmp_path)
+    files[KEYS[1]].replace(files[KEYS[0]])
+    conn = open_(disk(tmp_path))
+    result = conn.load(KEYS[:1], DST[:1]).result(timeout=5)
+    assert result.outcomes[0].status is Status.FAILED
+    assert "another key's" in (result.outcomes[0].reason or "")
+    assert conn.lookup(KEYS[:1]) == 0
+    assert not files[KEYS[0]].exists()
 
 
 def flip_a_byte_in_every_block_file(root: Path, offset_from_end: int) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmux.connectors.block_file import CHECKED_SUFFIX
 from kvmux.errors import ConfigError
 from kvmux.handle import Status
 from kvmux.layout import KVLayout
@@ -70,7 +71,8 @@ def test_capacity_bound_evicts_least_recently_used_files(tmp_path: Path, caches,
     with _disk(tmp_path, layout, caches, capacity_bytes=3 * layout.block_nbytes) as d:
         for i in range(6):
             d.save([ks[i]], [i]).result()
-        files = [p for p in (tmp_path / layout.fingerprint()).iterdir() if p.suffix == ".kv"]
+        store = tmp_path / layout.fingerprint()
+        files = [p for p in store.iterdir() if p.suffix == CHECKED_SUFFIX]
         assert len(files) == 3
         assert d.lookup(ks[3:]) == 3 and d.lookup(ks[:3]) == 0
 

@@ -76,6 +76,12 @@ def checksum_disk(tmp: Path, capacity: int | None) -> dict[str, Any]:
     return {"backend": "checksum", "inner": disk, "algorithm": "blake2b"}
 
 
+def checksum_unchecked_disk(tmp: Path, capacity: int | None) -> dict[str, Any]:
+    """The wrapper alone answers for the disk's files: the disk's own digest is off."""
+    disk = {**_disk(tmp, "disk"), "capacity_bytes": capacity, "checksum": False}
+    return {"backend": "checksum", "inner": disk}
+
+
 COMPOSITIONS: dict[str, Compose] = {
     "fallback[cpu,cpu]": fallback_cpu_cpu,
     "first-hit[cpu,disk]": first_hit_cpu_disk,
@@ -83,6 +89,7 @@ COMPOSITIONS: dict[str, Compose] = {
     "fallback[tiered[cpu,cpu],disk]": nested,
     "checksum[cpu]": checksum_cpu,
     "checksum[disk]": checksum_disk,
+    "checksum[unchecked disk]": checksum_unchecked_disk,
 }
 
 

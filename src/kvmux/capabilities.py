@@ -17,6 +17,11 @@ class Capabilities:
     """Loads pull from a peer instance named by ``source`` (an ``address()``)."""
     persistent: bool = False
     """Blocks survive closing the connector and opening a new one on the same config."""
+    file_backed: bool = False
+    """Stored blocks' bytes lie, as they are (not compressed or encrypted), in files
+    under a directory named in the config (a path-typed field, in a nested backend's
+    config too), where a test can reach them: the conformance suite damages them
+    there to check that a corrupted stored block is never loaded as ok."""
     capacity_bound: bool = False
     """Bounded storage: saving past capacity evicts older blocks instead of failing."""
     consumes_on_load: bool = False

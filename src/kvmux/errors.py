@@ -91,3 +91,8 @@ class CapacityError(KvmuxError):
 
 class InvalidRequestError(KvmuxError, ValueError):
     """A call whose arguments contradict each other (lengths, ranges, duplicates)."""
+
+
+class StorageError(KvmuxError, OSError):
+    """A store's directory or files that cannot be written (a full disk, an I/O error);
+    the message names the path and the operating system's reason."""

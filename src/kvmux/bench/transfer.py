@@ -6,7 +6,7 @@ import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ class BenchRecord(BaseModel):
     added_us: float | None = None
     """Median save+load time minus the baseline's, in microseconds: what kvmux adds
     per batch (the figure that matters for the one-block shape)."""
+    config: dict[str, Any] | None = None
+    """Config fields given beyond the backend's defaults (``kvmux bench --config``)."""
     error: str | None = None
 
 
@@ -69,10 +71,13 @@ def baselines_for(name: str) -> list[str]:
     return ["memcpy", *extra]
 
 
-def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord]:
-    """Median save+load time of ``shape``'s blocks through ``name``, one record per
-    baseline. Each baseline runs on the same byte count in every round, right
-    before the backend, so all of them see the same machine."""
+def bench_backend(
+    name: str, shape: Shape, repeats: int = 5, config: Mapping[str, Any] | None = None
+) -> list[BenchRecord]:
+    """Median save+load time of ``shape``'s blocks through ``name`` (its defaults, with
+    ``config``'s fields over them), one record per baseline. Each baseline runs on
+    the same byte count in every round, right before the backend, so all of them
+    see the same machine."""
     baselines = baselines_for(name)
     base_times: dict[str, list[float]] = {b: [] for b in baselines}
     load_times: list[float] = []
@@ -90,7 +95,14 @@ def bench_backend(name: str, shape: Shape, repeats: int = 5) -> list[BenchRecord
                 base_times[b].append(measures[b]())
 
         return _bench_records(
-            name, shape, repeats, baselines, base_times, load_times, measure_baselines
+            name,
+            shape,
+            repeats,
+            dict(config or {}),
+            baselines,
+            base_times,
+            load_times,
+            measure_baselines,
         )
 
 
@@ -120,16 +132,21 @@ def _bench_records(
     name: str,
     shape: Shape,
     repeats: int,
+    config: dict[str, Any],
     baselines: list[str],
     base_times: dict[str, list[float]],
     load_times: list[float],
     measure_baselines: Callable[[], None],
 ) -> list[BenchRecord]:
     common: dict[str, Any] = dict(
-        backend=name, shape=shape.name, blocks=shape.blocks, block_nbytes=shape.block_nbytes
+        backend=name,
+        shape=shape.name,
+        blocks=shape.blocks,
+        block_nbytes=shape.block_nbytes,
+        config=config or None,
     )
     try:
-        save_s, load_s = _save_load_seconds(name, shape, repeats, measure_baselines)
+        save_s, load_s = _save_load_seconds(name, shape, repeats, config, measure_baselines)
     except Exception as exc:  # a broken backend is a row, not a crash
         if not base_times[baselines[0]]:
             measure_baselines()
@@ -168,10 +185,10 @@ def _bench_records(
 
 
 def _save_load_seconds(
-    name: str, shape: Shape, repeats: int, baseline: Callable[[], None]
+    name: str, shape: Shape, repeats: int, config: Mapping[str, Any], baseline: Callable[[], None]
 ) -> tuple[float, float]:
     with ExitStack() as stack:
-        producer, consumer, source = stack.enter_context(_pair(name, shape))
+        producer, consumer, source = stack.enter_context(_pair(name, shape, config))
         gen = torch.Generator().manual_seed(1)
         saves, loads = [], []
         for rep in range(repeats + 1):  # the first round warms up
@@ -205,13 +222,15 @@ def _check_last_batch(
 
 
 @contextmanager
-def _pair(name: str, shape: Shape) -> Iterator[tuple[Connector, Connector, dict[str, Any] | None]]:
+def _pair(
+    name: str, shape: Shape, given: Mapping[str, Any]
+) -> Iterator[tuple[Connector, Connector, dict[str, Any] | None]]:
     """Producer and consumer (one instance unless the backend is P2P), registered
     with room for the batch twice over."""
     from kvmux.registry.factory import create_connector
 
     with tempfile.TemporaryDirectory(prefix="kvmux-bench-") as tmp:
-        config = _config_for(name, shape, Path(tmp))
+        config = _config_for(name, shape, Path(tmp), given)
         caches = shape.caches(2 * shape.blocks)
         producer = create_connector(config)
         try:
@@ -230,19 +249,21 @@ def _pair(name: str, shape: Shape) -> Iterator[tuple[Connector, Connector, dict[
             producer.close()
 
 
-def _config_for(name: str, shape: Shape, tmp: Path) -> dict[str, Any]:
-    """The backend's defaults, plus room for the batch and a directory where wanted."""
+def _config_for(name: str, shape: Shape, tmp: Path, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The backend's defaults, plus room for the batch and a directory where wanted,
+    then the fields ``given``."""
     model = config_model_for(name)
     config: dict[str, Any] = {"backend": name}
     if "capacity_bytes" in model.model_fields:
         config["capacity_bytes"] = 2 * shape.nbytes
+    config.update(given)
     return {**invent_paths(model, config, tmp), **config}
 
 
-def lookup_ms(name: str, n: int = 10_000) -> float:
+def lookup_ms(name: str, n: int = 10_000, config: Mapping[str, Any] | None = None) -> float:
     """Milliseconds for one ``lookup`` of ``n`` keys that are all present (tiny blocks)."""
     shape = Shape("lookup", blocks=n, layers=1, tokens=1, heads=1, head_dim=8)
-    with _pair(name, shape) as (producer, consumer, source):
+    with _pair(name, shape, config or {}) as (producer, consumer, source):
         keys = chain_keys(range(n), 1, "lookup")
         if not producer.save(keys, list(range(n))).result().ok:
             raise RuntimeError("saving the lookup keys failed")

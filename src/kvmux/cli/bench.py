@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmux.bench.shapes import SHAPES
 
@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(SHAPES),
         help="block shape (repeatable; default: all)",
     )
+    parser.add_argument(
+        "--config",
+        type=_config_object,
+        default={},
+        metavar="JSON",
+        help="transfer: config fields over each backend's defaults, e.g. '{\"checksum\": false}'",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per figure (median)")
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         for backend in backends:
             bar.set_postfix_str(f"{backend} lookup")
             try:
-                lookup: float | None = round(lookup_ms(backend), 3)
+                lookup: float | None = round(lookup_ms(backend, config=args.config), 3)
             except Exception:
                 lookup = None
             bar.update()
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_postfix_str(f"{backend} {shape.name}")
                 records += [
                     r.model_copy(update={"lookup_ms_10k": lookup})
-                    for r in bench_backend(backend, shape, args.repeats)
+                    for r in bench_backend(backend, shape, args.repeats, args.config)
                 ]
                 bar.update()
     if args.json:
@@ -108,6 +115,16 @@ def _run_vllm(args: argparse.Namespace) -> int:
     else:
         print(table(records))
     return 0
+
+
+def _config_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _available_connectors() -> list[str]:
@@ -154,6 +171,8 @@ def _table(records: Sequence[BenchRecord]) -> str:
             f"{rec.load_gbps:>6.2f}  {rec.baseline:<8} {rec.baseline_gbps:>6.2f} {rec.ratio:>6.2f} "
             f"{added:>10} {lookup:>10}"
         )
+    configs = {json.dumps(r.config) for r in records if r.config}
+    lines += [f"config over the defaults: {c}" for c in sorted(configs)]
     lines.append("GB/s = batch bytes / (save + load time); ratio = GB/s / baseline GB/s")
     lines.append("added = median save+load time minus the baseline's, per batch")
     return "\n".join(lines)

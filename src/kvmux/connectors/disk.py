@@ -3,14 +3,32 @@
 Each block is one file named by its key under a subdirectory per layout
 fingerprint, so instances with different layouts never read each other's
 blocks. A write goes to a temporary file that is renamed into place, so a
-crash leaves either the whole block or nothing readable; a file of the wrong
-size (a torn write after power loss without ``fsync``) is treated as missing
-and removed. With ``capacity_bytes`` set, least recently used files are
-deleted to stay under the bound; recency survives restarts through mtimes.
+crash leaves either the whole block or nothing readable. With ``capacity_bytes``
+set, least recently used files are deleted to stay under the bound; recency
+survives restarts through mtimes.
+
+Integrity (``checksum: true``, the default): each file carries a digest
+(XXH3) of its block bound to its key (:mod:`kvmux.connectors.block_file`),
+verified on every load. A file that fails (flipped bytes, a torn write after power loss
+without ``fsync``, another key's block under this name, the wrong size) ends
+its key ``failed`` and is *removed*, so ``lookup`` stops counting it and the
+engine's recomputed block is saved afresh. Removed rather than quarantined:
+this is a cache, the engine recomputes the block anyway, and a quarantine
+directory on a failing disk would need a bound and a cleaner of its own; the
+failure reason names the file and ``damaged_blocks_removed`` counts them.
+
+One format per store: an instance indexes only files of its own format and
+removes the others when it registers, saying so once in the log. So a store
+written before kvmux checked blocks (plain ``.kv`` files) is emptied, once, by
+the first instance with checksums on; its blocks are recomputed and saved
+again, checked, and are never read unverified. ``checksum: false`` trusts the
+disk and likewise removes checked files.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import tempfile
 import threading
@@ -24,12 +42,13 @@ from pydantic import Field
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
 from kvmux.connector import Address, Connector
-from kvmux.errors import CapacityError, ConfigError
+from kvmux.connectors.block_file import BlockFormat
+from kvmux.errors import CapacityError, ConfigError, StorageError
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 
-_SUFFIX = ".kv"
+log = logging.getLogger(__name__)
 
 
 class DiskConfig(BackendConfig):
@@ -41,11 +60,16 @@ class DiskConfig(BackendConfig):
     fsync: bool = Field(
         False, description="fsync each block before it becomes visible (slower, crash-proof)"
     )
+    checksum: bool = Field(
+        True,
+        description="store a digest (XXH3) of each block, bound to its key, and verify it on every "
+        "load (a damaged file fails and is removed); false trusts the disk",
+    )
 
 
 class DiskConnector(Connector):
     config_model = DiskConfig
-    capabilities = Capabilities(persistent=True, capacity_bound=True)
+    capabilities = Capabilities(persistent=True, file_backed=True, capacity_bound=True)
     config: DiskConfig
 
     def __init__(self, config: DiskConfig) -> None:
@@ -53,6 +77,7 @@ class DiskConnector(Connector):
         _check_writable(config.path)
         self._lock = threading.Lock()
         self._dir: Path | None = None
+        self._format: BlockFormat | None = None
         self._index: OrderedDict[BlockKey, None] = OrderedDict()  # LRU order
         self.evictions = 0
 
@@ -62,18 +87,32 @@ class DiskConnector(Connector):
             raise CapacityError(
                 f"capacity_bytes={cap} holds no block of {layout.block_nbytes} bytes"
             )
-        directory = self.config.path / layout.fingerprint()
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "layout.json").write_text(layout.model_dump_json(indent=1))
+        fingerprint = layout.fingerprint()
+        directory = self.config.path / fingerprint
+        _write_layout(directory, layout)
+        fmt = BlockFormat(checked=self.config.checksum, scope=fingerprint)
         found: list[tuple[float, BlockKey]] = []
+        foreign = 0
         for entry in os.scandir(directory):
+            key = fmt.key_of(entry.name)
             if entry.name.startswith(".tmp"):
                 os.unlink(entry.path)  # a write that never finished
-            elif entry.name.endswith(_SUFFIX):
-                key = BlockKey.from_id(_unquote(entry.name[: -len(_SUFFIX)]))
+            elif key is not None:
                 found.append((entry.stat().st_mtime, key))
+            elif entry.name.endswith(fmt.foreign_suffix):
+                os.unlink(entry.path)
+                foreign += 1
+        if foreign:
+            log.warning(
+                "kvmux disk: removed %d block files %s from %s, which runs with checksum=%s "
+                "(a store keeps one format); their blocks will be recomputed",
+                foreign,
+                fmt.foreign_description,
+                directory,
+                str(fmt.checked).lower(),
+            )
         with self._lock:
-            self._dir = directory
+            self._dir, self._format = directory, fmt
             self._index = OrderedDict((key, None) for _, key in sorted(found, key=lambda f: f[0]))
 
     # ------------------------------------------------------------------ lookup
@@ -96,7 +135,8 @@ class DiskConnector(Connector):
                     self._write(key, rows[i])
                     outcomes.append(OK)
                 except OSError as exc:
-                    outcomes.append(failed(f"write failed: {exc}"))
+                    # One reason for every block a cause fails, so a caller can log it once.
+                    outcomes.append(failed(f"cannot write blocks in {self._dir}: {_oserror(exc)}"))
             self._evict()
             return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
 
@@ -110,11 +150,12 @@ class DiskConnector(Connector):
                 return  # same key, same content
         fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(row.numpy().data)
+            try:
+                self.block_format.write(fd, key, row.numpy().data)
                 if self.config.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -149,20 +190,24 @@ class DiskConnector(Connector):
         direct = self.copier.contiguous_block(block)
         target = direct if direct is not None else torch.empty(nbytes, dtype=torch.uint8)
         try:
-            with open(path, "rb") as f:
-                got = f.readinto(target.numpy().data)
-                extra = f.read(1)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self._forget(key)
             return MISSING
         except OSError as exc:
             return failed(f"read failed: {exc}")
-        if got != nbytes or extra:
-            # Torn or foreign file. If it was read straight into KV memory the
-            # block is now garbage, but the caller recomputes a failed block.
-            self._forget(key)
-            path.unlink(missing_ok=True)
-            return failed(f"{path.name}: wrong size, expected {nbytes} bytes")
+        try:
+            identity = os.fstat(fd)
+            problem = self.block_format.read_into(fd, identity.st_size, key, target.numpy().data)
+        except OSError as exc:
+            return failed(f"read failed: {path}: {exc}")
+        finally:
+            os.close(fd)
+        if problem is not None:
+            # If it was read straight into KV memory the block is now garbage, but
+            # the caller recomputes a failed block.
+            self._discard(key, path, identity)
+            return failed(f"{path}: {problem}; removed")
         if direct is None:
             self.copier.copy_in([block], target.view(1, nbytes))
         with self._lock:
@@ -170,6 +215,21 @@ class DiskConnector(Connector):
                 self._index.move_to_end(key)
         os.utime(path)
         return OK
+
+    def _discard(self, key: BlockKey, path: Path, identity: os.stat_result) -> None:
+        """Remove a block file that failed verification, unless a save has meanwhile
+        replaced it with a new one (another inode): that one is sound and stays."""
+        self._stats.add("damaged_blocks_removed")
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is None or (current.st_dev, current.st_ino) == (
+            identity.st_dev,
+            identity.st_ino,
+        ):
+            self._forget(key)
+            path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ misc
 
@@ -182,9 +242,14 @@ class DiskConnector(Connector):
         with self._lock:
             self._index.pop(key, None)
 
+    @property
+    def block_format(self) -> BlockFormat:
+        assert self._format is not None, "register() first"
+        return self._format
+
     def _path(self, key: BlockKey) -> Path:
         assert self._dir is not None
-        return self._dir / (_quote(key.id) + _SUFFIX)
+        return self._dir / self.block_format.file_name(key)
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
@@ -208,10 +273,32 @@ def _check_writable(path: Path) -> None:
         ) from None
 
 
-def _quote(key_id: str) -> str:
-    """A key id as a file name: '/' and '%' are the only characters to escape."""
-    return key_id.replace("%", "%25").replace("/", "%2F")
+def _write_layout(directory: Path, layout: KVLayout) -> None:
+    """Create the layout's directory and its ``layout.json`` (rewritten only when it
+    differs, so an existing store still opens, and loads, on a full disk)."""
+    description = directory / "layout.json"
+    text = layout.model_dump_json(indent=1)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if description.exists() and description.read_text() == text:
+            return
+        fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, description)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise StorageError(
+            f"disk: cannot set up the store in {directory}: {_oserror(exc)}"
+        ) from exc
 
 
-def _unquote(name: str) -> str:
-    return name.replace("%2F", "/").replace("%25", "%")
+def _oserror(exc: OSError) -> str:
+    """``ENOSPC (No space left on device)``: the cause alone, without the file name
+    (a temporary name differs for every block)."""
+    name = errno.errorcode.get(exc.errno or 0)
+    reason = exc.strerror or str(exc)
+    return f"{name} ({reason})" if name else reason

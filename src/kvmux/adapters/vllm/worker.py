@@ -21,6 +21,7 @@ import torch
 from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.save_failures import SaveFailureLog
 from kvmux.adapters.vllm.stats import worker_rank, worker_report
 from kvmux.compat import ModelInfo
 from kvmux.config import BackendConfig
@@ -71,6 +72,7 @@ class WorkerSide:
         self.model = model
         """Declared on the registered layout: P2P peers compare it at the handshake."""
         self.connector: Connector = create_connector(backend)
+        self._save_failures = SaveFailureLog(backend.backend)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Saves] = {}
         self._delay_freed: set[str] = set()
@@ -138,7 +140,9 @@ class WorkerSide:
         for transfer in meta.saves:
             keys = self._keys(transfer.keys)
             saves = self._saves.setdefault(transfer.req_id, _Saves())
-            saves.handles.append(self.connector.save(keys, transfer.block_ids))
+            handle = self.connector.save(keys, transfer.block_ids)
+            self._save_failures.watch(transfer.req_id, handle)
+            saves.handles.append(handle)
             saves.keys.extend(keys)
             if transfer.publish:
                 self._wait_published(saves)

@@ -20,8 +20,8 @@ Two ways to run it:
   suite calls it several times per test (a P2P consumer, a reopened store).
   Pick single groups of tests by subclassing the mixins below instead.
 
-Tests that rely on a capability (``persistent``, ``capacity_bound``, ``p2p``,
-``not consumes_on_load``...) are skipped, with the capability named, where
+Tests that rely on a capability (``persistent``, ``file_backed``, ``capacity_bound``,
+``p2p``, ``not consumes_on_load``...) are skipped, with the capability named, where
 the backend does not declare it.
 """
 
@@ -39,6 +39,7 @@ from kvmux.testing.suite.lookup import LookupTests
 from kvmux.testing.suite.missing import MissingKeyTests
 from kvmux.testing.suite.persistence import PersistenceTests
 from kvmux.testing.suite.roundtrip import RoundTripTests
+from kvmux.testing.suite.stored_integrity import StoredBlockIntegrityTests
 
 
 class ConnectorSuite(
@@ -49,6 +50,7 @@ class ConnectorSuite(
     ConcurrencyTests,
     ConsumptionTests,
     PersistenceTests,
+    StoredBlockIntegrityTests,
     CapacityTests,
     FaultToleranceTests,
     HostilePeerTests,
@@ -74,5 +76,6 @@ __all__ = [
     "MissingKeyTests",
     "PersistenceTests",
     "RoundTripTests",
+    "StoredBlockIntegrityTests",
     "SuiteBase",
 ]
