@@ -9,9 +9,10 @@ into per-key failures. See ``examples/plugin`` for a complete small backend.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,8 +27,9 @@ from kvmux.errors import (
     LayoutError,
     NotRegisteredError,
 )
-from kvmux.handle import Handle, Outcome, TransferResult
+from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey, check_unique
+from kvmux.lanes import Lanes
 from kvmux.layout import KVLayout
 from kvmux.stats import Stats
 
@@ -60,6 +62,9 @@ class Connector(ABC):
     capabilities: Capabilities = Capabilities()
     """Class-level for most backends; bridges derive theirs per instance."""
     max_workers: ClassVar[int] = 2
+    """Threads of the shared lane: background work ``_run`` is given no lane for."""
+    lane_width: ClassVar[int] = 4
+    """Threads of each other lane (one per peer): see :mod:`kvmux.lanes`."""
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -67,8 +72,8 @@ class Connector(ABC):
         self._copier: BlockCopier | None = None
         self._stats = Stats()
         self._closed = False
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._lanes: Lanes | None = None
+        self._lanes_lock = threading.Lock()
 
     # ----------------------------------------------------------------- public API
 
@@ -175,8 +180,8 @@ class Connector(ABC):
         try:
             self._close()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
+            if self._lanes is not None:
+                self._lanes.shutdown(wait=True)
 
     def __enter__(self) -> Connector:
         return self
@@ -214,19 +219,34 @@ class Connector(ABC):
             )
         return self._copier
 
-    def _submit(self, fn: Callable[[], TransferResult]) -> Future[TransferResult]:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.max_workers, thread_name_prefix=f"kvmux-{self.config.backend}"
-                )
-            return self._executor.submit(fn)
+    def _submit(
+        self, fn: Callable[[], TransferResult], lane: Hashable = None
+    ) -> Future[TransferResult]:
+        """Queue ``fn`` on ``lane`` (``None``: the shared one, ``max_workers`` wide;
+        any other, e.g. a peer's endpoint, ``lane_width`` wide)."""
+        with self._lanes_lock:
+            if self._lanes is None:
+                self._lanes = Lanes(f"kvmux-{self.config.backend}")
+            lanes = self._lanes
+        width = self.max_workers if lane is None else self.lane_width
+        return lanes.submit(lane, fn, width)
 
     def _run(
-        self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
+        self,
+        keys: Sequence[BlockKey],
+        work: Callable[[], tuple[Sequence[Outcome], int]],
+        *,
+        deadline: float | None = None,
+        lane: Hashable = None,
     ) -> Handle:
-        """Run ``work`` in the background; its exceptions become per-key failures."""
-        return Handle.from_call(keys, self._submit, work)
+        """Run ``work`` in the background on ``lane``; its exceptions become per-key
+        failures. With a ``deadline`` (monotonic seconds, taken when the transfer
+        was asked for), a job still queued when it passes fails every key the
+        moment it starts instead of running late: the deadline belongs to the
+        request, not to the thread that gets round to it."""
+        if deadline is not None:
+            work = _unless_expired(keys, work, deadline, self.config.timeout_s)
+        return Handle.from_call(keys, lambda fn: self._submit(fn, lane), work)
 
     def _run_now(
         self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
@@ -269,6 +289,21 @@ class Connector(ABC):
             raise InvalidRequestError(f"block ids out of range [0, {num_blocks}): {bad[:5]}")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequestError("a block id appears twice in one call")
+
+
+def _unless_expired(
+    keys: Sequence[BlockKey],
+    work: Callable[[], tuple[Sequence[Outcome], int]],
+    deadline: float,
+    timeout_s: float,
+) -> Callable[[], tuple[Sequence[Outcome], int]]:
+    def guarded() -> tuple[Sequence[Outcome], int]:
+        if time.monotonic() >= deadline:
+            reason = f"deadline of {timeout_s} s passed while queued behind other transfers"
+            return [failed(reason)] * len(keys), 0
+        return work()
+
+    return guarded
 
 
 def _out_of_range(block_ids: Sequence[int], num_blocks: int) -> list[int]:

@@ -179,16 +179,24 @@ class ServedPoolConnector(CpuPoolConnector):
         return found
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        """A remote load runs on its peer's lane (:mod:`kvmux.lanes`), against a
+        deadline taken now: a peer that hangs delays nobody else's loads, and
+        loads queued behind it fail when their own time is up, not later."""
         if source is None:
             return super()._load(keys, block_ids, None)
         peer = PeerAddress.parse(source)
-        return self._run(keys, lambda: self._load_remote(peer, keys, block_ids))
+        deadline = time.monotonic() + self.config.timeout_s
+        return self._run(
+            keys,
+            lambda: self._load_remote(peer, keys, block_ids, deadline),
+            deadline=deadline,
+            lane=peer.endpoint,
+        )
 
     def _load_remote(
-        self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int]
+        self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int], deadline: float
     ) -> tuple[list[Outcome], int]:
         """Pull batch by batch over one link; once a batch fails, the rest fail with it."""
-        deadline = time.monotonic() + self.config.timeout_s
         self._check_peer(peer)
         outcomes: list[Outcome] = []
         nbytes = 0
