@@ -147,6 +147,18 @@ class PeerProcess:
             os.kill(self.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
 
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """SIGSTOP for the ``with`` block: alive, its sockets open, answering nothing
+        (a frozen or swamped producer, as the network sees it); SIGCONT on the way
+        out, whatever happened inside."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
 
 @contextlib.contextmanager
 def spawn_peer(

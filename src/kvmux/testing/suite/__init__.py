@@ -32,6 +32,7 @@ from kvmux.testing.suite.batch import BatchTests
 from kvmux.testing.suite.capacity import CapacityTests
 from kvmux.testing.suite.concurrency import ConcurrencyTests
 from kvmux.testing.suite.consumption import ConsumptionTests
+from kvmux.testing.suite.deadlines import DeadlineTests
 from kvmux.testing.suite.failures import FaultToleranceTests
 from kvmux.testing.suite.lifecycle import LifecycleTests
 from kvmux.testing.suite.lookup import LookupTests
@@ -50,6 +51,7 @@ class ConnectorSuite(
     PersistenceTests,
     CapacityTests,
     FaultToleranceTests,
+    DeadlineTests,
     BadInputTests,
     BadConfigTests,
     LifecycleTests,
@@ -65,6 +67,7 @@ __all__ = [
     "ConcurrencyTests",
     "ConnectorSuite",
     "ConsumptionTests",
+    "DeadlineTests",
     "FaultToleranceTests",
     "LifecycleTests",
     "LookupTests",
