@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -31,7 +31,10 @@ from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey, check_unique
 from kvmux.lanes import Lanes
 from kvmux.layout import KVLayout
+from kvmux.publications import check_lease_ids
 from kvmux.stats import Stats
+
+T = TypeVar("T")
 
 Address = Mapping[str, Any]
 """Where a peer reaches a P2P connector: JSON-able, carried between engine instances."""
@@ -160,6 +163,48 @@ class Connector(ABC):
         self._check_open()
         self._release(list(keys))
 
+    # A publication: the producer keeps a request's blocks for the consumer they
+    # were published to (see kvmux.publications). Backends whose stored blocks stay
+    # until released need none of it, hence the do-nothing defaults below.
+
+    def publish(self, keys: Sequence[BlockKey], lease: str, lease_s: float) -> None:
+        """Producer: keep the blocks stored under ``keys`` (saves that have ended)
+        for a consumer: not evicted until ``unpublish(lease)`` or until ``lease_s``
+        seconds pass without a ``renew``. ``lease`` is a
+        :func:`~kvmux.publications.new_lease_id` the consumer is given; keys not
+        stored are skipped; publishing a lease again replaces its keys."""
+        self._check_open()
+        self._check_keys(keys)
+        check_lease_ids([lease])
+        if not lease_s > 0:
+            raise InvalidRequestError(f"lease_s must be positive, got {lease_s!r}")
+        self._publish(list(keys), lease, float(lease_s))
+
+    def renew(self, leases: Sequence[str], source: Address | None = None) -> None:
+        """Consumer: still coming for these publications (it has their params, it has
+        not loaded yet): each is extended by its ``lease_s``. With ``source`` (the
+        producer's address) the producer is told in the background: this never
+        waits on the peer nor raises for it. Without, this instance's own."""
+        self._notice(leases, source, self._renew)
+
+    def unpublish(self, leases: Sequence[str], source: Address | None = None) -> None:
+        """Consumer: done with these publications (loaded, failed, aborted, or rejected
+        before it reached the engine): the producer drops their holds now rather
+        than at lease end. ``source`` as for :meth:`renew`."""
+        self._notice(leases, source, self._unpublish)
+
+    def _notice(
+        self,
+        leases: Sequence[str],
+        source: Address | None,
+        hook: Callable[[list[str], Address | None], None],
+    ) -> None:
+        self._check_open()
+        leases = list(leases)
+        check_lease_ids(leases)
+        if leases:
+            hook(leases, source)
+
     def address(self) -> dict[str, Any] | None:
         """Where peers reach this instance (P2P backends), else None."""
         return None
@@ -208,6 +253,16 @@ class Connector(ABC):
     def _release(self, keys: list[BlockKey]) -> None:
         """Hook: free whatever ``keys`` hold beyond a normal stored block."""
 
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        """Hook: hold ``keys`` under ``lease`` (see ``publish``); arguments checked."""
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        """Hook: extend ``leases`` here (``source`` None) or at the peer ``source``,
+        without waiting on the peer; ids checked, never empty."""
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        """Hook: end ``leases`` here or at ``source``, as ``_renew``."""
+
     def _close(self) -> None:
         """Hook: stop servers, unmap memory."""
 
@@ -220,15 +275,16 @@ class Connector(ABC):
         return self._copier
 
     def _submit(
-        self, fn: Callable[[], TransferResult], lane: Hashable = None
-    ) -> Future[TransferResult]:
+        self, fn: Callable[[], T], lane: Hashable = None, width: int | None = None
+    ) -> Future[T]:
         """Queue ``fn`` on ``lane`` (``None``: the shared one, ``max_workers`` wide;
-        any other, e.g. a peer's endpoint, ``lane_width`` wide)."""
+        any other, e.g. a peer's endpoint, ``lane_width`` wide unless ``width`` says)."""
         with self._lanes_lock:
             if self._lanes is None:
                 self._lanes = Lanes(f"kvmux-{self.config.backend}")
             lanes = self._lanes
-        width = self.max_workers if lane is None else self.lane_width
+        if width is None:
+            width = self.max_workers if lane is None else self.lane_width
         return lanes.submit(lane, fn, width)
 
     def _run(

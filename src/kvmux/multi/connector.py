@@ -115,6 +115,18 @@ class MultiConnector(Connector):
     def _release(self, keys: list[BlockKey]) -> None:
         self.policy.release(keys)
 
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        for child in self.children:  # each holds what it has of them
+            child.publish(keys, lease, lease_s)
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        for child in self.children:
+            child.renew(leases, source)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        for child in self.children:
+            child.unpublish(leases, source)
+
     def address(self) -> dict[str, Any] | None:
         """``{"children": [address or None, ...]}`` when a child is reachable by peers;
         a load with this as ``source`` gives each child its own part."""

@@ -11,6 +11,7 @@ the bytes of a pull travel is the subclass's business: over the socket
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from abc import abstractmethod
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from kvmux.capabilities import Capabilities
 from kvmux.connector import Address, Health
 from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
-from kvmux.errors import InvalidRequestError, KvmuxError, TransferError
+from kvmux.errors import ClosedError, InvalidRequestError, KvmuxError, TransferError
 from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
@@ -31,10 +32,14 @@ from kvmux.net.client import Link, PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import layout_mismatch
 from kvmux.net.messages import (
+    MAX_LEASES_PER_NOTICE,
     Error,
+    LeaseReply,
     LookupReply,
     LookupRequest,
     Message,
+    Release,
+    Renew,
     Service,
     expect,
     key_batches,
@@ -116,7 +121,12 @@ class ServedPoolConnector(CpuPoolConnector):
             timeout_s=config.timeout_s,
             secret=secret,
             layout=lambda: self._fingerprint,
-            handlers={LookupRequest: self._serve_lookup, **self._handlers()},
+            handlers={
+                LookupRequest: self._serve_lookup,
+                Renew: self._serve_renew,
+                Release: self._serve_release,
+                **self._handlers(),
+            },
             on_close=self._session_closed,
         )
 
@@ -222,6 +232,57 @@ class ServedPoolConnector(CpuPoolConnector):
             reason = f"{type(exc).__name__}: pulling from {peer.host}:{peer.port}: {exc}"
             outcomes.extend([failed(reason)] * (len(keys) - len(outcomes)))
         return outcomes, nbytes
+
+    # ------------------------------------------------------------ publications
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            return super()._renew(leases, None)
+        self._notify(PeerAddress.parse(source), Renew, leases)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            return super()._unpublish(leases, None)
+        self._notify(PeerAddress.parse(source), Release, leases)
+
+    def _notify(self, peer: PeerAddress, notice: type[Renew | Release], leases: list[str]) -> None:
+        """Send ``notice`` messages for ``leases`` to ``peer`` in the background, on a
+        lane of their own one thread wide: in order, behind no load, never in the
+        caller's way. Each is answered (so a stale cached link is noticed and the
+        notice resent on a fresh one, see ``PeerClient.call``). A peer that cannot
+        be told is logged and counted; its leases then end at their own time."""
+        step = MAX_LEASES_PER_NOTICE
+        notices = [notice(leases=leases[i : i + step]) for i in range(0, len(leases), step)]
+        deadline = time.monotonic() + self.config.timeout_s
+
+        def send(link: Link) -> None:
+            for msg in notices:
+                link.channel.send(msg, deadline=deadline)
+                expect(link.channel.recv(deadline), LeaseReply)
+
+        def tell() -> None:
+            try:
+                self._check_peer(peer)
+                self._client.call(peer.endpoint, deadline, send)
+            except KvmuxError as exc:
+                self._stats.add("lease_notice_errors")
+                log.info(
+                    "kvmux %s: could not send %s for %d publication(s) to %s:%s: %s",
+                    self.service,
+                    notice.model_fields["kind"].default,
+                    len(leases),
+                    *peer.endpoint,
+                    exc,
+                )
+
+        with contextlib.suppress(ClosedError):  # closing: the leases end at their time
+            self._submit(tell, lane=("notices", peer.endpoint), width=1)
+
+    def _serve_renew(self, session: Session, msg: Renew) -> None:
+        session.send(LeaseReply(known=self._renew_here(msg.leases)))
+
+    def _serve_release(self, session: Session, msg: Release) -> None:
+        session.send(LeaseReply(known=self._release_here(msg.leases)))
 
     def _forget(self, peer: PeerAddress) -> None:
         self._client.forget(peer.endpoint)

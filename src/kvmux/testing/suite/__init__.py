@@ -38,6 +38,7 @@ from kvmux.testing.suite.lifecycle import LifecycleTests
 from kvmux.testing.suite.lookup import LookupTests
 from kvmux.testing.suite.missing import MissingKeyTests
 from kvmux.testing.suite.persistence import PersistenceTests
+from kvmux.testing.suite.publications import PublicationTests
 from kvmux.testing.suite.roundtrip import RoundTripTests
 
 
@@ -50,6 +51,7 @@ class ConnectorSuite(
     ConsumptionTests,
     PersistenceTests,
     CapacityTests,
+    PublicationTests,
     FaultToleranceTests,
     DeadlineTests,
     BadInputTests,
@@ -73,6 +75,7 @@ __all__ = [
     "LookupTests",
     "MissingKeyTests",
     "PersistenceTests",
+    "PublicationTests",
     "RoundTripTests",
     "SuiteBase",
 ]
