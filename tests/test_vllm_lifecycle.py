@@ -8,6 +8,7 @@ loaded wrongly, too late or not at all fails the test where it happens.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -211,6 +212,40 @@ def test_a_decode_aborted_during_its_load_releases_the_publication_at_once(engin
     assert _leases(producer)["published_leases"] == 0
     _step_until(consumer, lambda: not consumer.scheduler.has_requests())
     _assert_clean(consumer)  # its blocks are free once the load has ended
+
+
+def test_a_decode_aborted_while_its_load_waits_behind_a_hung_peer_frees_its_blocks_at_once(
+    engines, model_dir
+):
+    """Five loads from a peer that never answers: the lane's four wait for their
+    deadline; the fifth, queued, is aborted, never runs, and its blocks are free
+    at once. The other four fail at their deadline and are recomputed."""
+    backend = {"backend": "tcp", "timeout_s": 2.0}
+    producer = _engine(engines, model_dir, backend, role="kv_producer")
+    consumer = _engine(engines, model_dir, backend, role="kv_consumer")
+    prompts = [_prompt(2 * BLOCK, seed=s) for s in range(5)]
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        hung = {"host": "127.0.0.1", "port": mute.getsockname()[1]}
+        params = []
+        for prompt in prompts:
+            p = _prefill(producer, prompt)
+            params.append({**p, "kvmux": {**p["kvmux"], "source": hung}})
+        reqs = [
+            consumer.add(pr, max_tokens=2, params=pa)
+            for pr, pa in zip(prompts, params, strict=True)
+        ]
+        consumer.step()
+        assert all(consumer.status(r) == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs)
+        free = consumer.free_blocks()
+        consumer.abort(reqs[-1])
+        aborted = time.monotonic()
+        _step_until(consumer, lambda: consumer.free_blocks() > free, timeout_s=1.0)
+        assert time.monotonic() - aborted < 1.0
+        assert all(consumer.status(r) == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs[:-1])
+        consumer.run()
+    assert all(len(consumer.tokens(r)) == 2 for r in reqs[:-1])
+    assert consumer.worker.worker_side.stats()["load_error_blocks"] == 4 * 2
+    _assert_clean(consumer)
 
 
 def test_a_decode_request_rejected_before_the_engine_releases_the_publication(engines, model_dir):

@@ -204,6 +204,10 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed blocks vLLM may free, requests whose loads ended)."""
         self._finished |= finished_req_ids
+        for req_id in finished_req_ids & self._loads.keys():
+            # Aborted while its load waits its turn: it need not run at all, and vLLM
+            # frees the blocks now. A load already moving bytes ends by its deadline.
+            self._loads[req_id].handle.cancel()
         recving = {req_id for req_id, load in self._loads.items() if load.handle.poll()}
         for req_id in recving:
             self._finish_load(self._loads.pop(req_id))
@@ -219,6 +223,8 @@ class WorkerSide:
         return sending, recving
 
     def _finish_load(self, load: _Load) -> None:
+        if load.transfer.req_id in self._finished:
+            return  # aborted meanwhile: nothing will read these blocks
         result = load.handle.result()
         bad = [
             block_id
