@@ -44,8 +44,11 @@ def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-def prefill(producer: EngineProcess) -> list[dict[str, Any]]:
-    outs = producer.generate(PROMPTS, 1, [{"do_remote_decode": True}] * len(PROMPTS))
+def prefill(
+    producer: EngineProcess, prompts: list[list[int]] | None = None
+) -> list[dict[str, Any]]:
+    prompts = PROMPTS if prompts is None else prompts
+    outs = producer.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in outs]
     assert all(p and p["do_remote_prefill"] for p in params), params
     return params
