@@ -57,7 +57,11 @@ class Connector(ABC):
     * ``save(keys, block_ids)`` makes those blocks retrievable; when the
       handle finishes the caller may overwrite the blocks.
     * ``load(keys, block_ids, source)`` fills the blocks; each key ends ok,
-      missing or failed, within ``config.timeout_s``; never wrong bytes.
+      missing or failed, within ``config.timeout_s`` of the call, however many
+      loads are in flight; never wrong bytes. A peer that hangs delays only
+      the loads from it.
+    * ``publish`` / ``renew`` / ``unpublish``: a bounded P2P producer holds
+      published blocks until its consumer is done with them or the lease ends.
     * every method is safe to call from several threads.
     """
 
