@@ -113,3 +113,29 @@ def test_a_load_queued_past_its_deadline_fails_at_once_not_late(
     assert {o.status for r in results for o in r.outcomes} == {Status.FAILED}
     queued = [r.outcomes[0].reason or "" for r in results[conn.lane_width :]]
     assert all("passed while queued" in reason for reason in queued), queued[:2]
+
+
+def test_a_local_load_through_a_multi_waits_for_no_hung_peer(
+    layout: KVLayout, caches: dict[str, torch.Tensor]
+) -> None:
+    """A tiered cpu + tcp composition: while many loads wait on a peer that never
+    answers, a load served by the local tier (source None) comes back at once."""
+    tcp = {"backend": "tcp", "timeout_s": 1.5, "capacity_bytes": 2**20}
+    config = {"backend": "multi", "policy": "fallback", "timeout_s": 1.5}
+    conn = create_connector({**config, "children": [{"backend": "cpu"}, tcp]})
+    try:
+        conn.register(layout, caches)
+        local = keys(2, "local")
+        assert conn.save(local, [0, 1]).result(timeout=5).ok
+        with socket.create_server(("127.0.0.1", 0)) as mute:
+            hung = {"children": [None, {"host": "127.0.0.1", "port": mute.getsockname()[1]}]}
+            waiting = [conn.load(keys(1, f"far{i}"), [2 + i], hung) for i in range(12)]
+            started = time.monotonic()
+            result = conn.load(local, [20, 21]).result(timeout=5)
+            took = time.monotonic() - started
+            assert result.ok and took < 0.5, f"a local load took {took:.2f} s"
+            assert not all(w.poll() for w in waiting)
+            for w in waiting:
+                w.result(timeout=5)
+    finally:
+        conn.close()

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvmux.testing.vllm_engine import EngineProcess
-from vllm_e2e_support import BLOCK, MAX_TOKENS, PROMPTS, prefill, spec, tokens
+from vllm_e2e_support import BLOCK, MAX_TOKENS, PROMPTS, installed, prefill, spec, tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,18 +33,12 @@ SLACK_S = 4.0
 second wave of loads queued behind the first would need another whole timeout_s."""
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 @pytest.fixture(
     scope="module",
     params=[
         "tcp",
         "shm",
-        pytest.param("nixl", marks=pytest.mark.skipif(not _has("nixl"), reason="no nixl")),
+        pytest.param("nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="no nixl")),
     ],
 )
 def pd(request: Any, tiny_model_dir: str) -> Iterator[tuple[EngineProcess, EngineProcess]]:

@@ -23,6 +23,13 @@ LOADED_BLOCKS = sum(math.ceil(len(p) / BLOCK) for p in PROMPTS)
 FULL_BLOCKS = sum(len(p) // BLOCK for p in PROMPTS)
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (an optional backend's package)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def spec(model: str, backend: dict[str, Any] | None, role: str = "kv_both", **kw: Any) -> Any:
     transfer = None
     if backend is not None:

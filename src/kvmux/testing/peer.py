@@ -35,6 +35,7 @@ import torch
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector
+from kvmux.testing.lifetime import stopped
 
 BLOCK_SIZE = 16
 """Tokens per block of every peer layout."""
@@ -147,17 +148,9 @@ class PeerProcess:
             os.kill(self.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
 
-    @contextlib.contextmanager
-    def stopped(self) -> Iterator[None]:
-        """SIGSTOP for the ``with`` block: alive, its sockets open, answering nothing
-        (a frozen or swamped producer, as the network sees it); SIGCONT on the way
-        out, whatever happened inside."""
-        os.kill(self.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
+    def stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Frozen (SIGSTOP) for a ``with`` block: see :func:`kvmux.testing.lifetime.stopped`."""
+        return stopped(self.pid)
 
 
 @contextlib.contextmanager

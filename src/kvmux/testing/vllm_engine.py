@@ -21,12 +21,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmux.testing.lifetime import die_with_parent
+from kvmux.testing.lifetime import die_with_parent, stopped
 
 REPLY = "KVMUX-ENGINE "
 
@@ -162,16 +162,9 @@ class EngineProcess:
             os.kill(self.pid, signal.SIGKILL)
             self._proc.wait(30)
 
-    @contextlib.contextmanager
-    def stopped(self) -> Iterator[None]:
-        """SIGSTOP for the ``with`` block (alive, sockets open, answering nothing: a
-        frozen engine as its peers see it); SIGCONT on the way out, whatever happened."""
-        os.kill(self.pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGCONT)
+    def stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Frozen (SIGSTOP) for a ``with`` block: see :func:`kvmux.testing.lifetime.stopped`."""
+        return stopped(self.pid)
 
     def stop(self) -> None:
         if self._proc.poll() is None:
