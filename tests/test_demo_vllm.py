@@ -15,6 +15,7 @@ needs no vLLM.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -24,6 +25,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -36,7 +38,9 @@ from kvmux.demo.run import (
     ask_both,
     cluster,
     report,
+    request_body,
     run_prompts,
+    transfer_totals,
 )
 from kvmux.demo.servers import ServerError, VllmServer
 from kvmux.models import random_prompts
@@ -104,6 +108,49 @@ def test_proxy_whole_completion_of_a_text_prompt(
 
 def test_proxy_chat_completion(demo_cluster: Cluster, settings: DemoSettings) -> None:
     _check_via_proxy(demo_cluster, settings, _text(seed=2), stream=False, chat=True)
+
+
+def test_a_decode_request_its_server_rejects_releases_the_prefills_publication(
+    demo_cluster: Cluster, settings: DemoSettings
+) -> None:
+    """The decode server refuses a request before its engine sees it (its max_tokens
+    overflow the context); vLLM tells the connector (``notify_kv_transfer_request_rejected``)
+    and the prefill lets go of the request's blocks at once, not after ``lease_s``."""
+    c = demo_cluster
+    prompt = random_prompts(1, 300, seed=77, vocab_size=c.spec.vocab_size)[0]
+    before = transfer_totals(c.prefill.log_path)
+    body = {
+        **request_body(prompt, 1, stream=False),
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    status, answer = _post(c.prefill.url, body)
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    assert params["kvmux"]["lease"], params
+    refused = {**request_body(prompt, 10**7, stream=False), "kv_transfer_params": params}
+    status, answer = _post(c.decode.url, refused)
+    assert status == 400, answer
+    deadline = time.monotonic() + 60
+    released = 0.0
+    while released < 1 and time.monotonic() < deadline:
+        _post(c.prefill.url, request_body([5, 6, 7], 1, stream=False))  # a step logs counters
+        time.sleep(1.5)
+        now = transfer_totals(c.prefill.log_path)
+        released = now.get("leases_released", 0) - before.get("leases_released", 0)
+    assert released == 1, "the prefill never heard that the decode rejected the request"
+    assert transfer_totals(c.prefill.log_path).get("leases_expired", 0) == 0
+
+
+def _post(base_url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", urlsplit(base_url).port, timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
 
 
 def _text(seed: int, sentences: int = 40) -> str:

@@ -74,3 +74,30 @@ def test_transfer_cancelled_by_close_reports_failed_keys() -> None:
     assert result.by_status(Status.FAILED) == ks
     assert "cancelled" in (result.outcomes[0].reason or "")
     assert seen == [result]
+
+
+def test_cancel_drops_a_queued_transfer_but_not_a_running_one() -> None:
+    from kvmux.lanes import Lanes
+
+    lanes = Lanes("test-cancel")
+    release, ran = threading.Event(), []
+
+    def work(i: int) -> tuple[list[object], int]:
+        ran.append(i)
+        release.wait(5)
+        return [OK], 0
+
+    try:
+        first = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(0))
+        queued = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(1))
+        while not ran:
+            release.wait(0.001)
+        assert queued.cancel() and not first.cancel()
+        release.set()
+        assert first.result(timeout=5).ok
+        outcome = queued.result(timeout=5).outcomes[0]
+        assert outcome.status is Status.FAILED and "cancelled" in (outcome.reason or "")
+        assert ran == [0]
+    finally:
+        release.set()
+        lanes.shutdown()

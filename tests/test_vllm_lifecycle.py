@@ -8,6 +8,7 @@ loaded wrongly, too late or not at all fails the test where it happens.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -29,6 +30,8 @@ from kvmux.keys import BlockKey
 from kvmux.models import tiny_model
 from kvmux.testing.faults import ConnectorWrapper, Delay, DropKeys
 from vllm_harness import BLOCK, FakeEngine
+
+from support import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,6 +144,141 @@ def test_abort_during_a_load_frees_the_blocks_exactly_once(engines, model_dir):
         consumer.step()
         time.sleep(0.01)
     _assert_clean(consumer)
+
+
+def _leases(engine: FakeEngine) -> dict[str, float]:
+    stats = engine.worker.worker_side.stats()
+    return {k: v for k, v in stats.items() if "lease" in k}
+
+
+def _step_until(engine: FakeEngine, done: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "condition not met in time"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_a_prefill_publishes_its_blocks_and_the_decode_releases_them_once_loaded(
+    engines, model_dir
+):
+    producer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_producer")
+    consumer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_consumer")
+    prompt = _prompt(2 * BLOCK + 3)
+    params = _prefill(producer, prompt)
+    assert params["kvmux"]["lease"] and params["kvmux"]["lease_s"] == 120.0
+    assert _leases(producer)["published_leases"] == 1
+    assert producer.worker.worker_side.connector.stats()["pinned_blocks"] == 3
+    consumer.add(prompt, max_tokens=3, params=params)
+    consumer.run()
+    wait_until(lambda: _leases(producer)["leases_released"] == 1, 5.0)
+    assert _leases(producer)["published_leases"] == 0
+    assert producer.worker.worker_side.connector.stats()["pinned_blocks"] == 0
+    assert _leases(consumer)["lease_releases_sent"] == 1
+    _assert_clean(consumer)
+
+
+def test_a_decode_waiting_for_its_load_renews_the_publication(engines, model_dir):
+    producer = _engine(
+        engines, model_dir, {"backend": "tcp", "vllm": {"lease_s": 0.6}}, role="kv_producer"
+    )
+    consumer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_consumer")
+    prompt = _prompt(2 * BLOCK)
+    params = _prefill(producer, prompt)
+    _wrap(consumer, lambda inner: Delay(inner, 1.5))  # a long queue before the pull
+    req = consumer.add(prompt, max_tokens=2, params=params)
+    consumer.run()
+    assert len(consumer.tokens(req)) == 2
+    assert consumer.worker.worker_side.connector.stats()["load_blocks_ok"] == 2
+    counts = _leases(producer)
+    assert counts["leases_extended"] >= 3, counts
+    assert counts.get("leases_expired", 0) == 0
+    wait_until(lambda: _leases(producer)["leases_released"] == 1, 5.0)
+    _assert_clean(consumer)
+
+
+def test_a_decode_aborted_during_its_load_releases_the_publication_at_once(engines, model_dir):
+    producer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_producer")
+    consumer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_consumer")
+    prompt = _prompt(2 * BLOCK)
+    params = _prefill(producer, prompt)
+    _wrap(consumer, lambda inner: Delay(inner, 2.0))
+    req = consumer.add(prompt, params=params)
+    consumer.step()
+    assert consumer.status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+    consumer.abort(req)
+    aborted = time.monotonic()
+    _step_until(consumer, lambda: _leases(producer).get("leases_released") == 1)
+    assert time.monotonic() - aborted < 1.5, "released only when the load ended"
+    assert _leases(producer)["published_leases"] == 0
+    _step_until(consumer, lambda: not consumer.scheduler.has_requests())
+    _assert_clean(consumer)  # its blocks are free once the load has ended
+
+
+def test_a_decode_aborted_while_its_load_waits_behind_a_hung_peer_frees_its_blocks_at_once(
+    engines, model_dir
+):
+    """Five loads from a peer that never answers: the lane's four wait for their
+    deadline; the fifth, queued, is aborted, never runs, and its blocks are free
+    at once. The other four fail at their deadline and are recomputed."""
+    backend = {"backend": "tcp", "timeout_s": 2.0}
+    producer = _engine(engines, model_dir, backend, role="kv_producer")
+    consumer = _engine(engines, model_dir, backend, role="kv_consumer")
+    prompts = [_prompt(2 * BLOCK, seed=s) for s in range(5)]
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        hung = {"host": "127.0.0.1", "port": mute.getsockname()[1]}
+        params = []
+        for prompt in prompts:
+            p = _prefill(producer, prompt)
+            params.append({**p, "kvmux": {**p["kvmux"], "source": hung}})
+        reqs = [
+            consumer.add(pr, max_tokens=2, params=pa)
+            for pr, pa in zip(prompts, params, strict=True)
+        ]
+        consumer.step()
+        assert all(consumer.status(r) == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs)
+        free = consumer.free_blocks()
+        consumer.abort(reqs[-1])
+        aborted = time.monotonic()
+        _step_until(consumer, lambda: consumer.free_blocks() > free, timeout_s=1.0)
+        assert time.monotonic() - aborted < 1.0
+        assert all(consumer.status(r) == RequestStatus.WAITING_FOR_REMOTE_KVS for r in reqs[:-1])
+        consumer.run()
+    assert all(len(consumer.tokens(r)) == 2 for r in reqs[:-1])
+    assert consumer.worker.worker_side.stats()["load_error_blocks"] == 4 * 2
+    _assert_clean(consumer)
+
+
+def test_a_decode_request_rejected_before_the_engine_releases_the_publication(engines, model_dir):
+    producer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_producer")
+    consumer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_consumer")
+    params = _prefill(producer, _prompt(2 * BLOCK + 1))
+    consumer.reject(params)
+    consumer.run()
+    wait_until(lambda: _leases(producer).get("leases_released") == 1, 5.0)
+    assert _leases(producer)["published_leases"] == 0
+    assert "load_calls" not in consumer.worker.worker_side.connector.stats()
+    _assert_clean(consumer)
+
+
+def test_params_the_decode_refuses_release_the_publication(engines, model_dir):
+    producer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_producer")
+    consumer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_consumer")
+    params = _prefill(producer, _prompt(2 * BLOCK + 1))
+    consumer.add(_prompt(2 * BLOCK + 1, seed=5), max_tokens=2, params=params)  # other tokens
+    consumer.run()
+    wait_until(lambda: _leases(producer).get("leases_released") == 1, 5.0)
+
+
+def test_an_aborted_prefill_releases_its_own_publication(engines, model_dir):
+    producer = _engine(engines, model_dir, {"backend": "tcp"}, role="kv_producer")
+    req = producer.add(_prompt(2 * BLOCK), max_tokens=50, params={"do_remote_decode": True})
+    _step_until(producer, lambda: _leases(producer).get("published_leases") == 1)
+    producer.abort(req)  # a client gone: vLLM returns its params to nobody
+    producer.run()
+    counts = _leases(producer)
+    assert counts["published_leases"] == 0 and counts["leases_released"] == 1
+    _assert_clean(producer)
 
 
 class _HoldSaves(ConnectorWrapper):

@@ -23,6 +23,13 @@ LOADED_BLOCKS = sum(math.ceil(len(p) / BLOCK) for p in PROMPTS)
 FULL_BLOCKS = sum(len(p) // BLOCK for p in PROMPTS)
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (an optional backend's package)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def spec(model: str, backend: dict[str, Any] | None, role: str = "kv_both", **kw: Any) -> Any:
     transfer = None
     if backend is not None:
@@ -44,8 +51,11 @@ def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 
 
-def prefill(producer: EngineProcess) -> list[dict[str, Any]]:
-    outs = producer.generate(PROMPTS, 1, [{"do_remote_decode": True}] * len(PROMPTS))
+def prefill(
+    producer: EngineProcess, prompts: list[list[int]] | None = None
+) -> list[dict[str, Any]]:
+    prompts = PROMPTS if prompts is None else prompts
+    outs = producer.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in outs]
     assert all(p and p["do_remote_prefill"] for p in params), params
     return params

@@ -143,6 +143,26 @@ class FakeEngine:
         self.scheduler.add_request(request)
         return req_id
 
+    def reject(self, params: dict[str, Any]) -> str:
+        """What vLLM does for a request its API server refused before the engine saw
+        it (``AsyncLLM.notify_kv_transfer_request_rejected``): a one-token request
+        carrying the params is added and aborted at once (``EngineCore.add_request``
+        with ``abort_immediately``), so the connector's ``request_finished`` runs."""
+        req_id = f"r{next(_ids)}"
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)})
+        sp.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=[0],
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=self._hasher,
+            abort_immediately=True,
+        )
+        self.scheduler.add_request(request)
+        self.abort(req_id)
+        return req_id
+
     def abort(self, req_id: str) -> None:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -56,7 +57,7 @@ class PipeLookupBuffer(LookupBuffer):
     waiting for a slow insert never blocks the channel.
     """
 
-    capabilities = Capabilities(p2p=True, consumes_on_load=True)
+    capabilities = Capabilities(p2p=True, one_peer=True, consumes_on_load=True)
 
     def __init__(self, pipe: Pipe, config: BackendConfig) -> None:
         super().__init__(config)
@@ -280,17 +281,23 @@ class BufferConnector(Connector):
             self.copier.copy_in([block], flat[_HEADER_BYTES:].view(1, nbytes))
             return OK
 
+        deadline = time.monotonic() + self.config.timeout_s
+
         def work() -> tuple[list[Outcome], int]:
             self._attach(source)
             outcomes: list[Outcome] = []
             for key, block in zip(keys, block_ids, strict=True):
+                if time.monotonic() >= deadline:  # a peer that stopped answering
+                    late = failed(f"deadline of {self.config.timeout_s} s passed")
+                    outcomes.extend([late] * (len(keys) - len(outcomes)))
+                    break
                 try:
                     outcomes.append(one(key, block))
                 except Exception as exc:  # one key's failure is that key's outcome
                     outcomes.append(failed(str(exc)))
             return outcomes, nbytes * sum(o.ok for o in outcomes)
 
-        return self._run(keys, work)
+        return self._run(keys, work, deadline=deadline)
 
     def _header(self) -> torch.Tensor:
         digest = bytes.fromhex(self.copier.layout.fingerprint())

@@ -15,6 +15,9 @@ from typing import Any
 class Capabilities:
     p2p: bool = False
     """Loads pull from a peer instance named by ``source`` (an ``address()``)."""
+    one_peer: bool = False
+    """P2P with a single peer for the connector's life (a pipe): a later ``source``
+    cannot switch it to another peer."""
     persistent: bool = False
     """Blocks survive closing the connector and opening a new one on the same config."""
     file_backed: bool = False

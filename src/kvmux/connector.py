@@ -9,11 +9,12 @@ into per-key failures. See ``examples/plugin`` for a complete small backend.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -26,10 +27,14 @@ from kvmux.errors import (
     LayoutError,
     NotRegisteredError,
 )
-from kvmux.handle import Handle, Outcome, TransferResult
+from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey, check_unique
+from kvmux.lanes import Lanes
 from kvmux.layout import KVLayout
+from kvmux.publications import check_lease_ids
 from kvmux.stats import Stats
+
+T = TypeVar("T")
 
 Address = Mapping[str, Any]
 """Where a peer reaches a P2P connector: JSON-able, carried between engine instances."""
@@ -52,7 +57,11 @@ class Connector(ABC):
     * ``save(keys, block_ids)`` makes those blocks retrievable; when the
       handle finishes the caller may overwrite the blocks.
     * ``load(keys, block_ids, source)`` fills the blocks; each key ends ok,
-      missing or failed, within ``config.timeout_s``; never wrong bytes.
+      missing or failed, within ``config.timeout_s`` of the call, however many
+      loads are in flight; never wrong bytes. A peer that hangs delays only
+      the loads from it.
+    * ``publish`` / ``renew`` / ``unpublish``: a bounded P2P producer holds
+      published blocks until its consumer is done with them or the lease ends.
     * every method is safe to call from several threads.
     """
 
@@ -60,6 +69,9 @@ class Connector(ABC):
     capabilities: Capabilities = Capabilities()
     """Class-level for most backends; bridges derive theirs per instance."""
     max_workers: ClassVar[int] = 2
+    """Threads of the shared lane: background work ``_run`` is given no lane for."""
+    lane_width: ClassVar[int] = 4
+    """Threads of each other lane (one per peer): see :mod:`kvmux.lanes`."""
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -67,8 +79,8 @@ class Connector(ABC):
         self._copier: BlockCopier | None = None
         self._stats = Stats()
         self._closed = False
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._lanes: Lanes | None = None
+        self._lanes_lock = threading.Lock()
 
     # ----------------------------------------------------------------- public API
 
@@ -155,6 +167,48 @@ class Connector(ABC):
         self._check_open()
         self._release(list(keys))
 
+    # A publication: the producer keeps a request's blocks for the consumer they
+    # were published to (see kvmux.publications). Backends whose stored blocks stay
+    # until released need none of it, hence the do-nothing defaults below.
+
+    def publish(self, keys: Sequence[BlockKey], lease: str, lease_s: float) -> None:
+        """Producer: keep the blocks stored under ``keys`` (saves that have ended)
+        for a consumer: not evicted until ``unpublish(lease)`` or until ``lease_s``
+        seconds pass without a ``renew``. ``lease`` is a
+        :func:`~kvmux.publications.new_lease_id` the consumer is given; keys not
+        stored are skipped; publishing a lease again replaces its keys."""
+        self._check_open()
+        self._check_keys(keys)
+        check_lease_ids([lease])
+        if not lease_s > 0:
+            raise InvalidRequestError(f"lease_s must be positive, got {lease_s!r}")
+        self._publish(list(keys), lease, float(lease_s))
+
+    def renew(self, leases: Sequence[str], source: Address | None = None) -> None:
+        """Consumer: still coming for these publications (it has their params, it has
+        not loaded yet): each is extended by its ``lease_s``. With ``source`` (the
+        producer's address) the producer is told in the background: this never
+        waits on the peer nor raises for it. Without, this instance's own."""
+        self._notice(leases, source, self._renew)
+
+    def unpublish(self, leases: Sequence[str], source: Address | None = None) -> None:
+        """Consumer: done with these publications (loaded, failed, aborted, or rejected
+        before it reached the engine): the producer drops their holds now rather
+        than at lease end. ``source`` as for :meth:`renew`."""
+        self._notice(leases, source, self._unpublish)
+
+    def _notice(
+        self,
+        leases: Sequence[str],
+        source: Address | None,
+        hook: Callable[[list[str], Address | None], None],
+    ) -> None:
+        self._check_open()
+        leases = list(leases)
+        check_lease_ids(leases)
+        if leases:
+            hook(leases, source)
+
     def address(self) -> dict[str, Any] | None:
         """Where peers reach this instance (P2P backends), else None."""
         return None
@@ -178,8 +232,8 @@ class Connector(ABC):
         try:
             self._close()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
+            if self._lanes is not None:
+                self._lanes.shutdown(wait=True)
 
     def __enter__(self) -> Connector:
         return self
@@ -206,6 +260,16 @@ class Connector(ABC):
     def _release(self, keys: list[BlockKey]) -> None:
         """Hook: free whatever ``keys`` hold beyond a normal stored block."""
 
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        """Hook: hold ``keys`` under ``lease`` (see ``publish``); arguments checked."""
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        """Hook: extend ``leases`` here (``source`` None) or at the peer ``source``,
+        without waiting on the peer; ids checked, never empty."""
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        """Hook: end ``leases`` here or at ``source``, as ``_renew``."""
+
     def _close(self) -> None:
         """Hook: stop servers, unmap memory."""
 
@@ -217,19 +281,35 @@ class Connector(ABC):
             )
         return self._copier
 
-    def _submit(self, fn: Callable[[], TransferResult]) -> Future[TransferResult]:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.max_workers, thread_name_prefix=f"kvmux-{self.config.backend}"
-                )
-            return self._executor.submit(fn)
+    def _submit(
+        self, fn: Callable[[], T], lane: Hashable = None, width: int | None = None
+    ) -> Future[T]:
+        """Queue ``fn`` on ``lane`` (``None``: the shared one, ``max_workers`` wide;
+        any other, e.g. a peer's endpoint, ``lane_width`` wide unless ``width`` says)."""
+        with self._lanes_lock:
+            if self._lanes is None:
+                self._lanes = Lanes(f"kvmux-{self.config.backend}")
+            lanes = self._lanes
+        if width is None:
+            width = self.max_workers if lane is None else self.lane_width
+        return lanes.submit(lane, fn, width)
 
     def _run(
-        self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
+        self,
+        keys: Sequence[BlockKey],
+        work: Callable[[], tuple[Sequence[Outcome], int]],
+        *,
+        deadline: float | None = None,
+        lane: Hashable = None,
     ) -> Handle:
-        """Run ``work`` in the background; its exceptions become per-key failures."""
-        return Handle.from_call(keys, self._submit, work)
+        """Run ``work`` in the background on ``lane``; its exceptions become per-key
+        failures. With a ``deadline`` (monotonic seconds, taken when the transfer
+        was asked for), a job still queued when it passes fails every key the
+        moment it starts instead of running late: the deadline belongs to the
+        request, not to the thread that gets round to it."""
+        if deadline is not None:
+            work = _unless_expired(keys, work, deadline, self.config.timeout_s)
+        return Handle.from_call(keys, lambda fn: self._submit(fn, lane), work)
 
     def _run_now(
         self, keys: Sequence[BlockKey], work: Callable[[], tuple[Sequence[Outcome], int]]
@@ -272,6 +352,21 @@ class Connector(ABC):
             raise InvalidRequestError(f"block ids out of range [0, {num_blocks}): {bad[:5]}")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequestError("a block id appears twice in one call")
+
+
+def _unless_expired(
+    keys: Sequence[BlockKey],
+    work: Callable[[], tuple[Sequence[Outcome], int]],
+    deadline: float,
+    timeout_s: float,
+) -> Callable[[], tuple[Sequence[Outcome], int]]:
+    def guarded() -> tuple[Sequence[Outcome], int]:
+        if time.monotonic() >= deadline:
+            reason = f"deadline of {timeout_s} s passed while queued behind other transfers"
+            return [failed(reason)] * len(keys), 0
+        return work()
+
+    return guarded
 
 
 def _out_of_range(block_ids: Sequence[int], num_blocks: int) -> list[int]:

@@ -128,9 +128,16 @@ class Handle:
             raise TransferTimeout(
                 f"transfer of {len(self.keys)} blocks not finished after {timeout} s"
             ) from None
-        except CancelledError:  # queued when its connector closed: it never ran
-            reason = failed("cancelled: the connector was closed before the transfer ran")
+        except CancelledError:  # it never ran: cancel(), or its connector closed first
+            reason = failed("cancelled before the transfer ran")
             return TransferResult(self.keys, (reason,) * len(self.keys))
+
+    def cancel(self) -> bool:
+        """Drop a transfer that has not started yet (queued behind others): True if it
+        never will run; its keys then end failed. One that is already moving bytes
+        goes on to its own end, deadline included (until then its blocks are not the
+        caller's to reuse), and this returns False."""
+        return self._future.cancel()
 
     def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
         self._future.add_done_callback(lambda _: fn(self.result()))

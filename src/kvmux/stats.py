@@ -31,6 +31,7 @@ LEVELS: Final[Mapping[str, str]] = MappingProxyType(
         "blocks": "blocks a tier of a tiered composition holds (tier.<i>.blocks)",
         "staging_blocks_free": "free blocks of a tiered composition's staging area",
         "breaker_state": "a child's circuit breaker: 0 closed, 1 half-open, 2 open",
+        "published_leases": "publications a producer holds for consumers now",
     }
 )
 """Every level stat, by the last dotted part of its name, with what it measures.

@@ -24,6 +24,7 @@ from kvmux.errors import CapacityError
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
+from kvmux.publications import Publications
 from kvmux.slots import PinnedSlots
 
 
@@ -47,6 +48,7 @@ class CpuPoolConnector(Connector):
         self._lock = threading.Lock()
         self._pool: torch.Tensor | None = None
         self._slots = PinnedSlots(0)
+        self._publications = Publications()
 
     def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         """The ``[slots, block_nbytes]`` uint8 pool. Pages are committed on first
@@ -64,6 +66,7 @@ class CpuPoolConnector(Connector):
         with self._lock:
             self._pool = pool
             self._slots = PinnedSlots(slots)
+            self._publications.clear()
 
     def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         with self._lock:
@@ -77,7 +80,9 @@ class CpuPoolConnector(Connector):
         assert pool is not None
         outcomes: list[Outcome] = [OK] * len(keys)
         with self._lock:
-            self._slots.reap(time.monotonic())
+            now = time.monotonic()
+            self._slots.reap(now)
+            self._publications.reap(self._slots, now)
             # Keys stored already need no copy (same key, same content). They are
             # touched first, so no new key of the batch evicts them.
             new = np.flatnonzero(self._slots.keep_many(keys) < 0)
@@ -91,7 +96,7 @@ class CpuPoolConnector(Connector):
                 saved = self._place_and_copy(pool, keys, block_ids) if len(new) else 0
         unplaced = new[saved:].tolist()
         if unplaced:
-            error = failed("every pool slot is pinned by transfers to peers")
+            error = failed("every pool slot is pinned (peers reading, or published blocks)")
             for i in unplaced:
                 outcomes[i] = error
         return outcomes, (len(outcomes) - len(unplaced)) * self.copier.block_nbytes
@@ -136,14 +141,47 @@ class CpuPoolConnector(Connector):
             for key in keys:
                 self._slots.release(key)
 
+    # ------------------------------------------------------------ publications
+
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._publications.reap(self._slots, now)
+            rows = self._slots.find_many(keys)
+            self._publications.publish(self._slots, lease, rows[rows >= 0], lease_s, now)
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            self._renew_here(leases)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            self._release_here(leases)
+
+    def _renew_here(self, leases: list[str]) -> int:
+        """Extend these of this pool's leases; how many it held."""
+        with self._lock:
+            now = time.monotonic()
+            self._publications.reap(self._slots, now)
+            return self._publications.renew(leases, now)
+
+    def _release_here(self, leases: list[str]) -> int:
+        """End these of this pool's leases; how many it held."""
+        with self._lock:
+            return self._publications.release(self._slots, leases)
+
+    # ------------------------------------------------------------------ public
+
     def stats(self) -> dict[str, float]:
         out = super().stats()
         with self._lock:
+            self._publications.reap(self._slots, time.monotonic())
             out.update(
                 blocks_stored=len(self._slots),
                 capacity_blocks=self._slots.slots,
                 evictions=self._slots.evictions,
                 pinned_blocks=self._slots.pinned,
+                **self._publications.counts(),
             )
         return out
 
@@ -151,3 +189,4 @@ class CpuPoolConnector(Connector):
         with self._lock:
             self._pool = None
             self._slots = PinnedSlots(0)
+            self._publications.clear()

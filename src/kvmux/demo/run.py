@@ -177,6 +177,7 @@ def cluster(settings: DemoSettings) -> Iterator[Cluster]:
         model_dir,
         server_args(kv_transfer_config("kv_producer", settings.backend)),
         log_dir=log_dir,
+        env=stats_logging_env(log_dir / "prefill-logging.json"),
     )
     decode = VllmServer(
         "decode",

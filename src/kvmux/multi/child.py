@@ -174,13 +174,25 @@ class Child:
         return self.start_load(keys, ids, source).finish(deadline, on_late)
 
     def release(self, keys: Sequence[BlockKey]) -> None:
-        if not keys:
-            return
+        if keys:
+            self._quietly("release", lambda: self.connector.release(keys))
+
+    def publish(self, keys: Sequence[BlockKey], lease: str, lease_s: float) -> None:
+        self._quietly("publish", lambda: self.connector.publish(keys, lease, lease_s))
+
+    def renew(self, leases: Sequence[str], source: Address | None) -> None:
+        self._quietly("renew", lambda: self.connector.renew(leases, self._source(source)))
+
+    def unpublish(self, leases: Sequence[str], source: Address | None) -> None:
+        self._quietly("unpublish", lambda: self.connector.unpublish(leases, self._source(source)))
+
+    def _quietly(self, what: str, call: Callable[[], None]) -> None:
+        """Bookkeeping calls: a child that raises is counted, never propagated."""
         try:
-            self.connector.release(keys)
+            call()
         except Exception as exc:
             self.count("errors")
-            log.debug("%s: release raised %s: %s", self.label, type(exc).__name__, exc)
+            log.debug("%s: %s raised %s: %s", self.label, what, type(exc).__name__, exc)
 
     def close(self) -> None:
         try:

@@ -16,6 +16,7 @@ stats as ``child.<i>.backend.<name>``, and the policy's (``tier.<i>.blocks``).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +42,9 @@ class MultiConnector(Connector):
     config: MultiConfig
     max_workers = 8
     """Transfers mostly wait on children; several may be in flight at once."""
+    lane_width = 8
+    """Loads from one ``source`` share a lane of their own: a hung peer below a child
+    never holds up the local loads of the shared lane."""
 
     def __init__(self, config: MultiConfig, children: Sequence[Connector] | None = None) -> None:
         """Build the children from ``config``, or adopt ``children`` (already built, in
@@ -95,14 +99,33 @@ class MultiConnector(Connector):
 
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
         deadline = time.monotonic() + self.config.timeout_s
-        return self._run(keys, lambda: self.policy.save(keys, block_ids, deadline))
+        return self._run(
+            keys, lambda: self.policy.save(keys, block_ids, deadline), deadline=deadline
+        )
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
         deadline = time.monotonic() + self.config.timeout_s
-        return self._run(keys, lambda: self.policy.load(keys, block_ids, source, deadline))
+        return self._run(
+            keys,
+            lambda: self.policy.load(keys, block_ids, source, deadline),
+            deadline=deadline,
+            lane=None if source is None else json.dumps(source, sort_keys=True, default=str),
+        )
 
     def _release(self, keys: list[BlockKey]) -> None:
         self.policy.release(keys)
+
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        for child in self.children:  # each holds what it has of them
+            child.publish(keys, lease, lease_s)
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        for child in self.children:
+            child.renew(leases, source)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        for child in self.children:
+            child.unpublish(leases, source)
 
     def address(self) -> dict[str, Any] | None:
         """``{"children": [address or None, ...]}`` when a child is reachable by peers;

@@ -16,6 +16,8 @@ Conversation of the pool connectors (``tcp``, ``shm``)::
                           a NIXL notification (or, on failure, unpin) ends the pin (nixl)
     client → locate       server → mooncake_locate_reply; client READs over the
                           Mooncake Transfer Engine; client → unpin (mooncake)
+    client → renew        server → lease_reply (a consumer still coming for a publication)
+    client → release      server → lease_reply (a consumer done with one; all four)
 
 Conversation of a :class:`~kvmux.pipes.tcp.TcpPipe`: one ``pipe_hello`` each
 way, then ``tensor`` / ``no_tensor`` frames in both directions.
@@ -54,6 +56,8 @@ PIPE_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_REQUEST = 4096
 """Keys in one lookup/fetch/locate; larger calls are split by the client."""
 MAX_KEY_ID_CHARS = 512
+MAX_LEASES_PER_NOTICE = 1024
+"""Publications named in one renew/release; longer lists are split by the client."""
 HEADER_SLACK = 8192
 """Room left in a frame or header budget for everything but the key list or the
 payload (a header with its alignment padding is under a page and a half)."""
@@ -71,6 +75,9 @@ Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Fingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,128}$")]
 SegmentName = Annotated[str, StringConstraints(pattern=r"^kvmux-[0-9]+-[0-9a-f]{16}$")]
 """A shared-memory segment name; the pattern keeps a peer from naming any other file."""
+LeaseId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+"""A publication's id (:func:`kvmux.publications.new_lease_id`): 128 random bits, so
+only whoever was given the params can renew or release it."""
 Service = Literal["tcp", "shm", "nixl", "mooncake"]
 Count = Annotated[int, Field(ge=0)]
 FrameLimit = Annotated[int, Field(ge=1)]
@@ -358,6 +365,31 @@ class Unpin(Message):
     lease: Count
 
 
+class Renew(Message):
+    """The consumer holds these publications' params and has not loaded yet (its
+    queue is long): extend each by its lease. Unknown ids are ignored."""
+
+    kind: Literal["renew"] = "renew"
+    leases: Annotated[list[LeaseId], Field(min_length=1, max_length=MAX_LEASES_PER_NOTICE)]
+
+
+class Release(Message):
+    """The consumer is done with these publications (loaded, failed, aborted, or
+    rejected before reaching its engine): drop their holds now, not at lease end.
+    Unknown ids are ignored."""
+
+    kind: Literal["release"] = "release"
+    leases: Annotated[list[LeaseId], Field(min_length=1, max_length=MAX_LEASES_PER_NOTICE)]
+
+
+class LeaseReply(Message):
+    """The answer to a renew or release: how many of its leases the producer held
+    (the others had expired, were released already, or are another instance's)."""
+
+    kind: Literal["lease_reply"] = "lease_reply"
+    known: Count
+
+
 # ------------------------------------------------------------------ pipe
 
 
@@ -416,7 +448,10 @@ PeerMessage = Annotated[
     | LocateReply
     | NixlLocateReply
     | MooncakeLocateReply
-    | Unpin,
+    | Unpin
+    | Renew
+    | Release
+    | LeaseReply,
     Field(discriminator="kind"),
 ]
 PipeMessage = Annotated[PipeHello | TensorHeader | NoTensor, Field(discriminator="kind")]

@@ -22,6 +22,7 @@ binds 127.0.0.1 unless ``host`` says otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -36,7 +37,13 @@ from kvmux.capabilities import Capabilities
 from kvmux.compat import Compat
 from kvmux.connector import Address, Health
 from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
-from kvmux.errors import InvalidRequestError, KvmuxError, PeerRestartedError, TransferError
+from kvmux.errors import (
+    ClosedError,
+    InvalidRequestError,
+    KvmuxError,
+    PeerRestartedError,
+    TransferError,
+)
 from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
@@ -44,10 +51,14 @@ from kvmux.net.client import Link, PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import Terms, refusal
 from kvmux.net.messages import (
+    MAX_LEASES_PER_NOTICE,
     Error,
+    LeaseReply,
     LookupReply,
     LookupRequest,
     Message,
+    Release,
+    Renew,
     Service,
     expect,
     key_batches,
@@ -152,7 +163,12 @@ class ServedPoolConnector(CpuPoolConnector):
             secret=secret,
             terms=lambda: self._terms,
             incarnation=self.incarnation,
-            handlers={LookupRequest: self._serve_lookup, **self._handlers()},
+            handlers={
+                LookupRequest: self._serve_lookup,
+                Renew: self._serve_renew,
+                Release: self._serve_release,
+                **self._handlers(),
+            },
             on_close=self._session_closed,
         )
 
@@ -219,16 +235,24 @@ class ServedPoolConnector(CpuPoolConnector):
         return found
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+        """A remote load runs on its peer's lane (:mod:`kvmux.lanes`), against a
+        deadline taken now: a peer that hangs delays nobody else's loads, and
+        loads queued behind it fail when their own time is up, not later."""
         if source is None:
             return super()._load(keys, block_ids, None)
         peer = PeerAddress.parse(source)
-        return self._run(keys, lambda: self._load_remote(peer, keys, block_ids))
+        deadline = time.monotonic() + self.config.timeout_s
+        return self._run(
+            keys,
+            lambda: self._load_remote(peer, keys, block_ids, deadline),
+            deadline=deadline,
+            lane=peer.endpoint,
+        )
 
     def _load_remote(
-        self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int]
+        self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int], deadline: float
     ) -> tuple[list[Outcome], int]:
         """Pull batch by batch over one link; once a batch fails, the rest fail with it."""
-        deadline = time.monotonic() + self.config.timeout_s
         self._check_peer(peer)
         outcomes: list[Outcome] = []
         nbytes = 0
@@ -254,6 +278,57 @@ class ServedPoolConnector(CpuPoolConnector):
             reason = f"{type(exc).__name__}: pulling from {peer.host}:{peer.port}: {exc}"
             outcomes.extend([failed(reason)] * (len(keys) - len(outcomes)))
         return outcomes, nbytes
+
+    # ------------------------------------------------------------ publications
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            return super()._renew(leases, None)
+        self._notify(PeerAddress.parse(source), Renew, leases)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        if source is None:
+            return super()._unpublish(leases, None)
+        self._notify(PeerAddress.parse(source), Release, leases)
+
+    def _notify(self, peer: PeerAddress, notice: type[Renew | Release], leases: list[str]) -> None:
+        """Send ``notice`` messages for ``leases`` to ``peer`` in the background, on a
+        lane of their own one thread wide: in order, behind no load, never in the
+        caller's way. Each is answered (so a stale cached link is noticed and the
+        notice resent on a fresh one, see ``PeerClient.call``). A peer that cannot
+        be told is logged and counted; its leases then end at their own time."""
+        step = MAX_LEASES_PER_NOTICE
+        notices = [notice(leases=leases[i : i + step]) for i in range(0, len(leases), step)]
+        deadline = time.monotonic() + self.config.timeout_s
+
+        def send(link: Link) -> None:
+            for msg in notices:
+                link.channel.send(msg, deadline=deadline)
+                expect(link.channel.recv(deadline), LeaseReply)
+
+        def tell() -> None:
+            try:
+                self._check_peer(peer)
+                self._client.call(peer.endpoint, deadline, send, incarnation=peer.incarnation)
+            except KvmuxError as exc:
+                self._stats.add("lease_notice_errors")
+                log.info(
+                    "kvmux %s: could not send %s for %d publication(s) to %s:%s: %s",
+                    self.service,
+                    notice.model_fields["kind"].default,
+                    len(leases),
+                    *peer.endpoint,
+                    exc,
+                )
+
+        with contextlib.suppress(ClosedError):  # closing: the leases end at their time
+            self._submit(tell, lane=("notices", peer.endpoint), width=1)
+
+    def _serve_renew(self, session: Session, msg: Renew) -> None:
+        session.send(LeaseReply(known=self._renew_here(msg.leases)))
+
+    def _serve_release(self, session: Session, msg: Release) -> None:
+        session.send(LeaseReply(known=self._release_here(msg.leases)))
 
     def _forget(self, peer: PeerAddress, cause: KvmuxError) -> None:
         """Drop what is cached for a peer that failed. Not for a restarted one: the

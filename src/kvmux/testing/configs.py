@@ -10,6 +10,7 @@ storage by accident); everything else comes from the backend's defaults or
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from kvmux.config import invent_paths
 from kvmux.connector import Connector
 from kvmux.registry.factory import create_connector
 from kvmux.registry.loader import config_model_for
-from kvmux.testing.harness import ConnectorFactory
 
 SUITE_TIMEOUT_S = 10.0
 """``timeout_s`` the suite uses unless the config says otherwise: long enough for a
@@ -31,16 +31,22 @@ def suite_config(name: str, given: Mapping[str, Any], tmp_path: Path) -> dict[st
     return {**invent_paths(model, data, tmp_path), **data}
 
 
-def registry_factory(name: str, given: Mapping[str, Any], tmp_path: Path) -> ConnectorFactory:
-    """A factory building ``name`` through the registry, exactly as an engine would.
+@dataclass(frozen=True)
+class RegistryFactory:
+    """Builds one backend through the registry, exactly as an engine would.
 
-    Every call uses the same config (so a second instance reopens the same
+    Every call uses the same ``config`` (so a second instance reopens the same
     storage, or is the other end of a P2P pair); keyword overrides replace
-    config fields for that call only.
+    config fields for that call only. ``config`` is plain data, so the suite
+    can also build the backend in another process (a peer it can stop).
     """
-    base = suite_config(name, given, tmp_path)
 
-    def factory(**overrides: Any) -> Connector:
-        return create_connector({**base, **overrides})
+    config: Mapping[str, Any]
 
-    return factory
+    def __call__(self, **overrides: Any) -> Connector:
+        return create_connector({**self.config, **overrides})
+
+
+def registry_factory(name: str, given: Mapping[str, Any], tmp_path: Path) -> RegistryFactory:
+    """A :class:`RegistryFactory` building ``name`` on :func:`suite_config`."""
+    return RegistryFactory(suite_config(name, given, tmp_path))

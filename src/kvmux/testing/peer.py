@@ -35,6 +35,7 @@ import torch
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector
+from kvmux.testing.lifetime import stopped
 
 BLOCK_SIZE = 16
 """Tokens per block of every peer layout."""
@@ -146,6 +147,10 @@ class PeerProcess:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
+
+    def stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Frozen (SIGSTOP) for a ``with`` block: see :func:`kvmux.testing.lifetime.stopped`."""
+        return stopped(self.pid)
 
 
 @contextlib.contextmanager

@@ -4,10 +4,11 @@ vLLM keeps one KV connector per process (a module global), so a prefill and
 a decode instance, or two engines with different connectors, need separate
 processes. ``EngineProcess`` starts ``python -m kvmux.testing.vllm_engine``
 with an :class:`EngineSpec`, then sends it commands (``generate``,
-``reset_prefix_cache``, ``stats``, ``corrupt_loads``) and reads one JSON reply
-per command. Replies are marked lines on stdout, so vLLM's own logging there
-does no harm. ``kill()`` is a SIGKILL by PID: the peer-dies-mid-transfer
-tests use it.
+``reset_prefix_cache``, ``stats``, ``corrupt_loads``, ``abort_during_load``,
+``reject``) and reads one JSON reply per command.
+Replies are marked lines on stdout, so vLLM's own logging there does no harm.
+``kill()`` is a SIGKILL by PID: the peer-dies-mid-transfer tests use it;
+``stopped()`` a SIGSTOP (a frozen peer) until the ``with`` block ends.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmux.testing.lifetime import die_with_parent
+from kvmux.testing.lifetime import die_with_parent, stopped
 
 REPLY = "KVMUX-ENGINE "
 
@@ -161,6 +162,10 @@ class EngineProcess:
             os.kill(self.pid, signal.SIGKILL)
             self._proc.wait(30)
 
+    def stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Frozen (SIGSTOP) for a ``with`` block: see :func:`kvmux.testing.lifetime.stopped`."""
+        return stopped(self.pid)
+
     def stop(self) -> None:
         if self._proc.poll() is None:
             with contextlib.suppress(EngineError):
@@ -261,7 +266,109 @@ def _handle(llm: Any, op: str, cmd: dict[str, Any], sampling: Any, tokens: Any) 
             lambda c: CorruptBytes(c, rate=1.0, nbytes=nbytes),
         )
         return {"ok": True}
+    if op == "abort_during_load":
+        return _abort_during_load(llm, cmd, sampling, tokens)
+    if op == "reject":
+        return _reject(llm, cmd["kv_transfer_params"], sampling)
     raise ValueError(f"unknown op {op!r}")
+
+
+def _scheduler(llm: Any) -> Any:
+    """The engine core's scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: in this process)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _step_until(llm: Any, done: Any, timeout_s: float, what: str) -> None:
+    """Step the engine until ``done()``, or raise TimeoutError after ``timeout_s``."""
+    start = time.monotonic()
+    while not done():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{what} not reached within {timeout_s} s")
+        llm.llm_engine.step()
+        time.sleep(0.005)
+
+
+def _abort_during_load(llm: Any, cmd: dict[str, Any], sampling: Any, tokens: Any) -> dict[str, Any]:
+    """Add P/D requests whose loads start ``delay_s`` late, step until every one waits
+    for its KV, abort them all (a client gone), then step until the engine has let
+    go of everything. Times are wall clock (``time.time()``), comparable across
+    processes."""
+    from kvmux.testing.faults import Delay
+
+    worker = _worker()
+    assert worker is not None, "no kvmux connector in this engine"
+    real = worker.connector
+    worker.connector = Delay(real, float(cmd["delay_s"]))
+    try:
+        return _abort_loading(llm, cmd, sampling, tokens)
+    finally:
+        worker.connector = real
+
+
+def _abort_loading(llm: Any, cmd: dict[str, Any], sampling: Any, tokens: Any) -> dict[str, Any]:
+    from vllm.v1.request import RequestStatus
+
+    scheduler = _scheduler(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    ids = []
+    for i, (prompt, params) in enumerate(
+        zip(cmd["prompts"], cmd["kv_transfer_params"], strict=True)
+    ):
+        sp = sampling(
+            max_tokens=cmd["max_tokens"],
+            temperature=0.0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params},
+        )
+        ids.append(
+            llm.llm_engine.add_request(
+                f"abort-{time.monotonic_ns()}-{i}", tokens(prompt_token_ids=prompt), sp
+            )
+        )
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def all_loading() -> bool:
+        statuses = [r.status for r in scheduler.requests.values()]
+        return len(statuses) == len(ids) and all(s == waiting for s in statuses)
+
+    _step_until(llm, all_loading, 60, "every request loading")
+    free_loading = pool.get_num_free_blocks()
+    aborted_at = time.time()
+    llm.llm_engine.abort_request(ids, internal=True)  # add_request returned internal ids
+    _step_until(llm, lambda: not scheduler.has_requests(), 120, "engine idle after abort")
+    return {
+        "free_before": free_before,
+        "free_while_loading": free_loading,
+        "free_after": pool.get_num_free_blocks(),
+        "aborted_at": aborted_at,
+        "idle_at": time.time(),
+    }
+
+
+def _reject(llm: Any, params: list[dict[str, Any]], sampling: Any) -> dict[str, Any]:
+    """Requests an API server refused before they reached the engine, as vLLM's
+    ``AsyncLLM.notify_kv_transfer_request_rejected`` hands them on: one token,
+    the params, ``abort_immediately``; then step until the engine is idle."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    for i, p in enumerate(params):
+        request = EngineCoreRequest(
+            request_id=f"rejected-{time.monotonic_ns()}-{i}",
+            prompt_token_ids=[0],
+            mm_features=None,
+            sampling_params=sampling(max_tokens=1, extra_args={"kv_transfer_params": dict(p)}),
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            abort_immediately=True,
+        )
+        llm.llm_engine.engine_core.add_request(request)
+    scheduler = _scheduler(llm)
+    _step_until(llm, lambda: not scheduler.has_requests(), 60, "engine idle after rejects")
+    return {"ok": True}
 
 
 def _replace(root: Any, path: list[str | int], make: Any) -> None:

@@ -162,6 +162,14 @@ class KvmuxConnector(KVConnectorBase_V1):
         if isinstance(first, KvmuxHandshake):
             self.scheduler_side.set_worker_address(first.address)
 
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.new_request(request)
+
+    def has_pending_push_work(self) -> bool:
+        """Release and renew notices for publications ride the next step's metadata:
+        an engine with nothing else to do must still take that step."""
+        return self._scheduler is not None and self._scheduler.has_pending_notices()
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -25,6 +25,18 @@ class BlockTransfer:
     publish: bool = False
     """The save that completes a P/D prefill: vLLM returns the request's params right
     after this step, so every save of the request must have ended by then."""
+    lease: str | None = None
+    """With ``publish``: the publication id the request's blocks are held under
+    (``Connector.publish``); it travels to the consumer in the params."""
+
+
+@dataclass(frozen=True)
+class LeaseNotice:
+    """A publication to renew or release: at the producer ``source`` (a consumer's
+    notice), or this instance's own when ``source`` is None."""
+
+    lease: str
+    source: dict[str, Any] | None
 
 
 @dataclass
@@ -35,3 +47,7 @@ class KvmuxMetadata(KVConnectorMetadata):
     """Requests whose blocks vLLM keeps until the worker reports them finished sending."""
     preempted: list[str] = field(default_factory=list)
     """Requests whose blocks vLLM freed at preemption: their saves must end before reuse."""
+    renew: list[LeaseNotice] = field(default_factory=list)
+    """Publications a waiting request still needs (heartbeats)."""
+    unpublish: list[LeaseNotice] = field(default_factory=list)
+    """Publications no request needs any more: loaded, failed, aborted or rejected."""

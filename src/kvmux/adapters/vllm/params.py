@@ -41,6 +41,15 @@ class Published(BaseModel):
         description="id of the key of the last published block: the consumer recomputes "
         "its keys from its own tokens and loads only if they end in the same key"
     )
+    lease: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the publication holding the blocks at the producer: the consumer "
+        "renews it while it waits and releases it when done (Connector.renew/unpublish)",
+    )
+    lease_s: float | None = Field(
+        None, gt=0, description="how long the producer holds them without a renewal"
+    )
 
 
 class TransferParams(BaseModel):

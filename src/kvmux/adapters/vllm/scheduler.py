@@ -4,22 +4,35 @@ It keys every request's blocks (``keys.py``), answers vLLM's "how many tokens
 can you load?" (from the request's ``kv_transfer_params`` for P/D, from a
 lookup for reuse), and each step tells the worker which blocks to load and
 which newly computed blocks to save (``metadata.py``).
+
+It also keeps P/D publications (:mod:`kvmux.publications`) honest at both
+ends. A prefill publishes a request's blocks under a fresh lease whose id
+travels in the params (and releases it itself if the request was aborted, so
+the params go nowhere). A decode that accepts params (``new_request``)
+renews that lease while the request waits and releases it once nothing will
+load it any more: its load ended, the params were refused, or the request
+finished first (aborted, or rejected before it reached the engine: vLLM's
+``notify_kv_transfer_request_rejected`` submits it pre-aborted so that
+``request_finished`` runs). Notices go to the worker, which owns the
+connector, in the next step's metadata.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.keys import RequestKeys, request_namespace
-from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata, LeaseNotice
 from kvmux.adapters.vllm.params import Published, TransferParams, published_mismatch
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey
+from kvmux.publications import new_lease_id
 from kvmux.registry import create_connector
 
 log = logging.getLogger("kvmux.vllm")
@@ -43,6 +56,27 @@ class _Tracked:
     load_failed: bool = False
     """A load of this request lost blocks: vLLM recomputes them; asking again would loop."""
     remote: tuple[Published, list[BlockKey]] | None = None
+    lease: str | None = None
+    """The publication its prompt's blocks are held under (a P/D prefill)."""
+
+
+@dataclass
+class _Awaited:
+    """A publication a decode request was given: renewed until it is released."""
+
+    notice: LeaseNotice
+    renew_every: float
+    renew_at: float
+    released: bool = False
+
+
+RENEWALS_PER_LEASE = 3
+"""A waiting consumer renews a publication this many times per lease: two renewals
+may be lost or late before the producer lets go."""
+
+PARAMS_DELIVERED = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+"""Request statuses whose output carries the params to a consumer; any other end
+(aborted, error) means no consumer will come for the published blocks."""
 
 
 class SchedulerSide:
@@ -67,6 +101,7 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self._tracked: dict[str, _Tracked] = {}
+        self._awaited: dict[str, _Awaited] = {}
         self._next = KvmuxMetadata()
         self._kv_cache_manager: Any = None
         self._address: dict[str, Any] | None = None
@@ -77,6 +112,46 @@ class SchedulerSide:
 
     def set_worker_address(self, address: dict[str, Any] | None) -> None:
         self._address = address
+
+    # ------------------------------------------------------------ publications
+
+    def new_request(self, request: Any) -> None:
+        """A request arrived (vLLM's ``on_new_request``): a decode that was handed a
+        publication starts renewing it now, however long the request then waits."""
+        if self.can_load and request.request_id not in self._awaited:
+            awaited = self._publication(request)
+            if awaited is not None:
+                self._awaited[request.request_id] = awaited
+
+    def _publication(self, request: Any) -> _Awaited | None:
+        try:
+            params = TransferParams.parse(request.kv_transfer_params)
+        except ValueError:
+            return None  # matched_tokens says why, once
+        published = params.kvmux if params is not None and params.do_remote_prefill else None
+        if published is None or published.lease is None:
+            return None
+        every = (published.lease_s or self.options.lease_s) / RENEWALS_PER_LEASE
+        notice = LeaseNotice(published.lease, published.source)
+        return _Awaited(notice, every, time.monotonic() + every)
+
+    def _release(self, req_id: str) -> None:
+        """Nothing will load this request's publication any more: tell the producer."""
+        awaited = self._awaited.get(req_id)
+        if awaited is not None and not awaited.released:
+            awaited.released = True
+            self._next.unpublish.append(awaited.notice)
+
+    def _renewals(self, meta: KvmuxMetadata) -> None:
+        now = time.monotonic()
+        for awaited in self._awaited.values():
+            if not awaited.released and now >= awaited.renew_at:
+                meta.renew.append(awaited.notice)
+                awaited.renew_at = now + awaited.renew_every
+
+    def has_pending_notices(self) -> bool:
+        """Whether notices wait for the next step's metadata (the engine must step)."""
+        return bool(self._next.unpublish or self._next.renew)
 
     # ------------------------------------------------------------------ loads
 
@@ -89,7 +164,11 @@ class SchedulerSide:
         if not self.can_load or tracked.load_failed:
             return 0, False
         if params is not None and params.do_remote_prefill:
-            return self._remote_match(request, tracked, params, num_computed)
+            self.new_request(request)  # in case vLLM never called on_new_request
+            count, load = self._remote_match(request, tracked, params, num_computed)
+            if not load:
+                self._release(request.request_id)
+            return count, load
         return self._local_match(request, tracked, num_computed)
 
     def _remote_match(
@@ -197,6 +276,7 @@ class SchedulerSide:
 
     def loads_finished(self, req_ids: set[str] | None, invalid_block_ids: set[int]) -> None:
         for req_id in req_ids or ():
+            self._release(req_id)  # loaded or failed: the producer's copy is not needed
             tracked = self._tracked.get(req_id)
             if tracked is not None:
                 tracked.loading = False
@@ -218,6 +298,7 @@ class SchedulerSide:
                     )
                     self._plan_saves(tracked, computed, meta)
         meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        self._renewals(meta)
         return meta
 
     def _plan_saves(self, tracked: _Tracked, computed: int, meta: KvmuxMetadata) -> None:
@@ -241,6 +322,7 @@ class SchedulerSide:
             if n % self.block_size:
                 todo.append((len(prompt) - 1, prompt[-1]))  # the partial last block
             tracked.published = publish = True
+            tracked.lease = new_lease_id()
         if not todo:
             return
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
@@ -250,6 +332,7 @@ class SchedulerSide:
                 tuple(key for _, key in todo),
                 tuple(block_ids[i] for i, _ in todo),
                 publish=publish,
+                lease=tracked.lease if publish else None,
             )
         )
         tracked.saves_planned += 1
@@ -257,11 +340,21 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._tracked.pop(request.request_id, None)
+        req_id = request.request_id
+        if req_id not in self._awaited:  # a request vLLM finished before it arrived
+            self.new_request(request)
+        self._release(req_id)
+        self._awaited.pop(req_id, None)
+        tracked = self._tracked.pop(req_id, None)
         if tracked is None or tracked.loading:
             # vLLM itself keeps the blocks of a request whose load is in flight.
             return False, None
-        params = self._params_for_decode(tracked, block_ids) if tracked.published else None
+        params = None
+        if tracked.published and tracked.lease is not None:
+            if getattr(request.status, "name", None) in PARAMS_DELIVERED:
+                params = self._params_for_decode(tracked, block_ids)
+            else:  # aborted: no consumer will ever be given the params
+                self._next.unpublish.append(LeaseNotice(tracked.lease, None))
         delay = not self._saves_ended(request.request_id, tracked)
         if delay:
             self._next.delay_freed.append(request.request_id)
@@ -296,6 +389,8 @@ class SchedulerSide:
                 namespace=tracked.keys.namespace,
                 num_tokens=n,
                 last_key=keys[-1].id,
+                lease=tracked.lease,
+                lease_s=self.options.lease_s,
             ),
             prompt_token_ids=list(request.prompt_token_ids),
         )

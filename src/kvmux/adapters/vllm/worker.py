@@ -5,14 +5,17 @@ Loads are asynchronous: started after the step's forward, polled in
 Saves start at the end of the step that computed the blocks; vLLM keeps a
 finished request's blocks (delayed free) until every save of it has ended, or,
 for a consumer that never comes, until the lease ends and the backend has been
-told to release them.
+told to release them. A P/D prefill's saved blocks are then published (held by
+the backend for the consumer); the scheduler's renew and release notices for
+publications are passed to the backend as they come, never waited on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +23,12 @@ import torch
 
 from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
-from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata
+from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata, LeaseNotice
 from kvmux.adapters.vllm.save_failures import SaveFailureLog
 from kvmux.adapters.vllm.stats import worker_rank, worker_report
 from kvmux.compat import ModelInfo
 from kvmux.config import BackendConfig
-from kvmux.connector import Connector
+from kvmux.connector import Address, Connector
 from kvmux.errors import LayoutError
 from kvmux.handle import Handle
 from kvmux.keys import BlockKey
@@ -128,6 +131,34 @@ class WorkerSide:
                 self._keys(transfer.keys), transfer.block_ids, transfer.source
             )
             self._loads[transfer.req_id] = _Load(transfer, handle)
+        self._notify(meta.renew, self.connector.renew, "lease_renewals_sent")
+        self._notify(meta.unpublish, self.connector.unpublish, "lease_releases_sent")
+
+    def _notify(
+        self,
+        notices: list[LeaseNotice],
+        send: Callable[[Sequence[str], Address | None], None],
+        counter: str,
+    ) -> None:
+        """One call per producer; the backend sends in the background. A backend
+        that refuses is logged: the leases then end at their own time."""
+        by_source: dict[str, tuple[Address | None, list[str]]] = {}
+        for notice in notices:
+            where = json.dumps(notice.source, sort_keys=True)
+            by_source.setdefault(where, (notice.source, []))[1].append(notice.lease)
+        for source, leases in by_source.values():
+            try:
+                send(leases, source)
+            except Exception as exc:  # a backend's bug must not end the engine's step
+                log.warning(
+                    "kvmux: %s of %d publication(s) failed (%s: %s); they end at their lease",
+                    counter,
+                    len(leases),
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
+            self._count(counter, len(leases))
 
     def wait_for_preempted(self, meta: KvmuxMetadata) -> None:
         """Saves reading a preempted request's blocks must end before vLLM reuses them."""
@@ -146,6 +177,8 @@ class WorkerSide:
             saves.keys.extend(keys)
             if transfer.publish:
                 self._wait_published(saves)
+                if transfer.lease is not None:
+                    self._publish(transfer.req_id, saves, transfer.lease)
         now = time.monotonic()
         for req_id in meta.delay_freed:
             self._delay_freed.add(req_id)
@@ -163,9 +196,26 @@ class WorkerSide:
         for handle in saves.handles:
             handle.wait(self.connector.config.timeout_s)
 
+    def _publish(self, req_id: str, saves: _Saves, lease: str) -> None:
+        """Hold every block saved for the request for its consumer (``lease_s``)."""
+        try:
+            self.connector.publish(saves.keys, lease, self.options.lease_s)
+        except Exception as exc:  # the consumer may still find the blocks, or recompute
+            log.warning(
+                "kvmux: request %s: publishing its blocks failed (%s: %s); newer saves "
+                "may evict them before the consumer pulls",
+                req_id,
+                type(exc).__name__,
+                exc,
+            )
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose delayed blocks vLLM may free, requests whose loads ended)."""
         self._finished |= finished_req_ids
+        for req_id in finished_req_ids & self._loads.keys():
+            # Aborted while its load waits its turn: it need not run at all, and vLLM
+            # frees the blocks now. A load already moving bytes ends by its deadline.
+            self._loads[req_id].handle.cancel()
         recving = {req_id for req_id, load in self._loads.items() if load.handle.poll()}
         for req_id in recving:
             self._finish_load(self._loads.pop(req_id))
@@ -181,6 +231,8 @@ class WorkerSide:
         return sending, recving
 
     def _finish_load(self, load: _Load) -> None:
+        if load.transfer.req_id in self._finished:
+            return  # aborted meanwhile: nothing will read these blocks
         result = load.handle.result()
         bad = [
             block_id

@@ -59,6 +59,15 @@ class ConnectorWrapper(Connector):
     def _release(self, keys: list[BlockKey]) -> None:
         self.inner.release(keys)
 
+    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        self.inner.publish(keys, lease, lease_s)
+
+    def _renew(self, leases: list[str], source: Address | None) -> None:
+        self.inner.renew(leases, source)
+
+    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+        self.inner.unpublish(leases, source)
+
     def address(self) -> dict[str, Any] | None:
         return self.inner.address()
 

@@ -32,12 +32,14 @@ from kvmux.testing.suite.batch import BatchTests
 from kvmux.testing.suite.capacity import CapacityTests
 from kvmux.testing.suite.concurrency import ConcurrencyTests
 from kvmux.testing.suite.consumption import ConsumptionTests
+from kvmux.testing.suite.deadlines import DeadlineTests
 from kvmux.testing.suite.failures import FaultToleranceTests
 from kvmux.testing.suite.hostile_peers import HostilePeerTests
 from kvmux.testing.suite.lifecycle import LifecycleTests
 from kvmux.testing.suite.lookup import LookupTests
 from kvmux.testing.suite.missing import MissingKeyTests
 from kvmux.testing.suite.persistence import PersistenceTests
+from kvmux.testing.suite.publications import PublicationTests
 from kvmux.testing.suite.roundtrip import RoundTripTests
 from kvmux.testing.suite.stored_integrity import StoredBlockIntegrityTests
 
@@ -52,7 +54,9 @@ class ConnectorSuite(
     PersistenceTests,
     StoredBlockIntegrityTests,
     CapacityTests,
+    PublicationTests,
     FaultToleranceTests,
+    DeadlineTests,
     HostilePeerTests,
     BadInputTests,
     BadConfigTests,
@@ -69,12 +73,14 @@ __all__ = [
     "ConcurrencyTests",
     "ConnectorSuite",
     "ConsumptionTests",
+    "DeadlineTests",
     "FaultToleranceTests",
     "HostilePeerTests",
     "LifecycleTests",
     "LookupTests",
     "MissingKeyTests",
     "PersistenceTests",
+    "PublicationTests",
     "RoundTripTests",
     "StoredBlockIntegrityTests",
     "SuiteBase",

@@ -8,7 +8,8 @@ when that option is absent.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,15 @@ class SuiteBase:
         """``factory(**config_overrides) -> Connector``, each call a fresh instance on the
         same config. Override this fixture to check a backend without the registry."""
         return kvmux_connector_factory
+
+    @pytest.fixture
+    def peer_config(self, connector_factory: ConnectorFactory) -> Mapping[str, Any] | None:
+        """The registry config (``{"backend": NAME, ...}``) that builds this backend in
+        another process, for tests with a peer they can stop; None skips those tests.
+        Default: the factory's ``config`` (a registry factory's); override it for a
+        factory of your own."""
+        config = getattr(connector_factory, "config", None)
+        return dict(config) if isinstance(config, Mapping) else None
 
     @pytest.fixture
     def kv_device(self) -> str:

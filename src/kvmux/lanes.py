@@ -1,0 +1,142 @@
+"""Work lanes: background transfers queue per peer, so a hung peer holds up only its own.
+
+A connector's transfers used to share one pool of two threads. Two loads from
+a peer that had stopped answering held both threads for their whole timeout,
+and every other transfer, from healthy peers or local tiers, queued behind
+them: five loads from a stopped prefill (``timeout_s`` 10) ended after 12, 12,
+23, 23 and 32 s. Here each *lane* (a peer's endpoint; ``None`` for local work)
+is a FIFO queue of its own with at most ``width`` threads, so a stuck lane
+fills only itself. Within a lane, a job that waited past its deadline fails
+the moment it starts (:meth:`kvmux.connector.Connector._run`), so N loads from
+a hung peer all end within one ``timeout_s`` whatever N is.
+
+Why lanes rather than a thread per transfer: a lane bounds the connections
+one peer gets from us (the width matches the links a client keeps per peer),
+and a peer that is merely slow gets its loads in order instead of a stampede.
+Why not a thread pool per peer: a pool's threads live for ever, and peers come
+and go (a restarted prefill has a new port); a lane's threads exist while it
+has work and a short ``linger_s`` after, then the lane is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvmux.errors import ClosedError
+
+T = TypeVar("T")
+
+_Job = tuple[Future[Any], Callable[[], Any]]
+
+
+@dataclass
+class _Lane:
+    ready: threading.Condition
+    jobs: deque[_Job] = field(default_factory=deque)
+    threads: int = 0
+    busy: int = 0
+
+
+class Lanes:
+    """FIFO lanes of background work, each served by up to ``width`` threads
+    (given per submission) that start on demand and end ``linger_s`` after
+    the lane ran dry. Thread-safe."""
+
+    def __init__(self, name: str, linger_s: float = 2.0) -> None:
+        self._name = name
+        self._linger_s = linger_s
+        self._lock = threading.Lock()
+        self._lanes: dict[Hashable, _Lane] = {}
+        self._workers: set[threading.Thread] = set()
+        self._closed = False
+
+    def submit(self, lane: Hashable, fn: Callable[[], T], width: int) -> Future[T]:
+        """Queue ``fn`` on ``lane``; its future ends with what ``fn`` returns or raises.
+        Raises ClosedError after :meth:`shutdown`."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{self._name}: no new work after shutdown")
+            entry = self._lanes.get(lane)
+            if entry is None:
+                entry = self._lanes[lane] = _Lane(threading.Condition(self._lock))
+            entry.jobs.append((future, fn))
+            waiting = entry.threads - entry.busy
+            if waiting < len(entry.jobs) and entry.threads < width:
+                entry.threads += 1
+                worker = threading.Thread(
+                    target=self._serve, args=(lane, entry), name=self._name, daemon=True
+                )
+                self._workers.add(worker)
+                worker.start()
+            else:
+                entry.ready.notify()
+        return future
+
+    @property
+    def threads(self) -> int:
+        """Threads alive now, over every lane."""
+        with self._lock:
+            return sum(entry.threads for entry in self._lanes.values())
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Cancel what has not started, let running jobs end, and (``wait``) join
+        their threads. Idempotent."""
+        with self._lock:
+            self._closed = True
+            for entry in self._lanes.values():
+                for future, _ in entry.jobs:
+                    future.cancel()
+                entry.jobs.clear()
+                entry.ready.notify_all()
+            workers = list(self._workers)
+        if wait:
+            for worker in workers:
+                if worker is not threading.current_thread():
+                    worker.join()
+
+    def _serve(self, lane: Hashable, entry: _Lane) -> None:
+        try:
+            while True:
+                job = self._next(lane, entry)
+                if job is None:
+                    return
+                future, fn = job
+                try:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            result = fn()
+                        except BaseException as exc:
+                            future.set_exception(exc)
+                        else:
+                            future.set_result(result)
+                finally:
+                    with self._lock:
+                        entry.busy -= 1
+        finally:
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+
+    def _next(self, lane: Hashable, entry: _Lane) -> _Job | None:
+        """The lane's next job, waiting up to ``linger_s`` for one; None when this
+        thread should end (it has been counted out of the lane)."""
+        with self._lock:
+            until = time.monotonic() + self._linger_s
+            while not entry.jobs and not self._closed:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                entry.ready.wait(left)
+            if not entry.jobs:
+                entry.threads -= 1
+                if entry.threads == 0 and self._lanes.get(lane) is entry:
+                    del self._lanes[lane]
+                return None
+            entry.busy += 1
+            return entry.jobs.popleft()
