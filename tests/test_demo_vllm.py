@@ -20,6 +20,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -42,7 +43,7 @@ from kvmux.demo.run import (
     run_prompts,
     transfer_totals,
 )
-from kvmux.demo.servers import ServerError, VllmServer
+from kvmux.demo.servers import ServerError, VllmServer, free_port
 from kvmux.models import random_prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -307,13 +308,14 @@ def test_transfer_only_demo(capsys: pytest.CaptureFixture[str]) -> None:
 class _StandIn(VllmServer):
     """A VllmServer running a Python snippet instead of vLLM."""
 
-    def __init__(self, script: str, log_dir: Path) -> None:
-        super().__init__("stand-in", "no-model", log_dir=log_dir)
+    def __init__(self, script: str, log_dir: Path, port: int | None = None) -> None:
+        super().__init__("stand-in", "no-model", log_dir=log_dir, port=port)
         self.script = script
+        self.script_args: list[str] = []
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-c", self.script]
+        return [sys.executable, "-c", self.script, *self.script_args]
 
 
 def test_server_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
@@ -332,6 +334,51 @@ def test_server_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
     finally:
         server.stop(grace_s=5)
     assert not _group_alive(server.pid)
+
+
+_HEALTH_SERVER = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *a): pass\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def test_a_server_is_ready_when_its_own_process_answers_health(tmp_path: Path) -> None:
+    server = _StandIn(_HEALTH_SERVER, tmp_path)
+    server.script_args = [str(server.port)]
+    with server:
+        assert server.healthy()
+
+
+def test_another_process_answering_on_the_port_is_not_taken_for_the_server(
+    tmp_path: Path,
+) -> None:
+    """Two runs that picked one port: the stranger's /health must not pass for ours."""
+    port = free_port()
+    stranger = subprocess.Popen([sys.executable, "-c", _HEALTH_SERVER, str(port)])
+    try:
+        server = _StandIn("import time; time.sleep(60)", tmp_path, port=port)
+        server.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not server.healthy() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert server.healthy(), "the stranger never answered"
+            with pytest.raises(ServerError, match="not healthy after 2 s"):
+                server.wait_ready(timeout_s=2)
+        finally:
+            server.stop(grace_s=5)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_free_port_never_hands_out_one_port_twice() -> None:
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
 
 
 def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:

@@ -46,12 +46,43 @@ class ServerError(KvmuxError, RuntimeError):
     """A server exited or did not become healthy; the message carries its log tail."""
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports ``free_port`` has returned in this process: servers started side by side
+each take a port number before any of them binds it, and the kernel may offer a
+port just released again."""
+
+
 def free_port(host: str = HOST) -> int:
-    """A port nobody listens on right now (vLLM takes a port number, not a socket)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nobody listens on right now, and not one this process handed out
+    before (vLLM takes a port number, not a socket)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def listening_pids(port: int) -> set[int]:
+    """The processes with a TCP socket listening on ``port`` (Linux ``/proc``;
+    processes this user may not inspect are left out)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{inode}]")
+    pids: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                pids.add(int(entry.name))
+    return pids
 
 
 class VllmServer:
@@ -119,8 +150,8 @@ class VllmServer:
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until ``/health`` answers 200; raise :class:`ServerError` if the
-        process exits first or ``timeout_s`` passes."""
+        """Block until ``/health`` answers 200 from this server's own process group;
+        raise :class:`ServerError` if the process exits first or ``timeout_s`` passes."""
         if self._proc is None:
             raise ServerError(f"{self.name} was never started")
         deadline = time.monotonic() + timeout_s
@@ -128,7 +159,7 @@ class VllmServer:
             code = self._proc.poll()
             if code is not None:
                 raise ServerError(self._failure(f"exited with status {code} while starting"))
-            if self.healthy():
+            if self.healthy() and self._owns_port():
                 return
             if time.monotonic() > deadline:
                 raise ServerError(self._failure(f"was not healthy after {timeout_s:.0f} s"))
@@ -142,6 +173,18 @@ class VllmServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return self._proc.wait(timeout_s)
         return None
+
+    def _owns_port(self) -> bool:
+        """Whether the ``/health`` that answered is this server's: another process
+        listening on the same port (a port two runs both picked) would otherwise pass
+        for it, and the caller would talk to a stranger."""
+        assert self._proc is not None
+        group = self._proc.pid  # the server leads its own process group (start_new_session)
+        for pid in listening_pids(self.port):
+            with contextlib.suppress(OSError):
+                if pid == group or os.getpgid(pid) == group:
+                    return True
+        return False
 
     def healthy(self) -> bool:
         try:
