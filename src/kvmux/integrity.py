@@ -51,13 +51,14 @@ import torch
 from pydantic import Field
 
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector, Health
+from kvmux.connector import Address, Connector
 from kvmux.errors import LayoutError
 from kvmux.handle import Handle, Outcome, Status, TransferResult, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout, LayerSpec
 from kvmux.registry.factory import create_connector
 from kvmux.registry.loader import NestedConfig, parse_config
+from kvmux.wrapping import WrappingConnector
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class ChecksumConfig(BackendConfig):
     )
 
 
-class ChecksumConnector(Connector):
+class ChecksumConnector(WrappingConnector):
     """Wraps ``inner``; everything but the checksum is the inner backend's behaviour."""
 
     config_model = ChecksumConfig
@@ -158,9 +159,6 @@ class ChecksumConnector(Connector):
             digest = hasher.digest()
             out[row, : len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         return out
-
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
-        return self.inner.lookup(keys, source)
 
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
         trailers = self._trailers
@@ -226,27 +224,3 @@ class ChecksumConnector(Connector):
         except TimeoutError:
             reason = f"inner backend did not finish within {self.config.timeout_s:g} s"
             return TransferResult(handle.keys, (failed(reason),) * len(handle.keys))
-
-    def _release(self, keys: list[BlockKey]) -> None:
-        self.inner.release(keys)
-
-    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
-        self.inner.publish(keys, lease, lease_s)
-
-    def _renew(self, leases: list[str], source: Address | None) -> None:
-        self.inner.renew(leases, source)
-
-    def _unpublish(self, leases: list[str], source: Address | None) -> None:
-        self.inner.unpublish(leases, source)
-
-    def address(self) -> dict[str, Any] | None:
-        return self.inner.address()
-
-    def health(self) -> Health:
-        return super().health() if self._closed else self.inner.health()
-
-    def stats(self) -> dict[str, float]:
-        return {**self.inner.stats(), **super().stats()}
-
-    def _close(self) -> None:
-        self.inner.close()

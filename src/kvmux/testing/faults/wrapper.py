@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 
-from kvmux.connector import Address, Connector, Health
+from kvmux.connector import Address, Connector
 from kvmux.errors import TransferTimeout
 from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
+from kvmux.wrapping import WrappingConnector
 
 Forward = Callable[[list[BlockKey], list[int]], Handle]
 
 
-class ConnectorWrapper(Connector):
-    """Delegates to ``inner``; may wrap an instance that is already registered."""
+class ConnectorWrapper(WrappingConnector):
+    """Delegates to ``inner``; may wrap an instance that is already registered.
+
+    ``stats()`` is the inner backend's overlaid with what callers of the wrapper
+    saw (its own save/load counters and ``injected_*`` counts)."""
 
     max_workers = 8
 
@@ -47,41 +50,15 @@ class ConnectorWrapper(Connector):
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
         self.inner.register(layout, caches)
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
-        return self.inner.lookup(keys, source)
-
     def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
         return self.inner.save(keys, block_ids)
 
     def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
         return self.inner.load(keys, block_ids, source)
 
-    def _release(self, keys: list[BlockKey]) -> None:
-        self.inner.release(keys)
-
-    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
-        self.inner.publish(keys, lease, lease_s)
-
-    def _renew(self, leases: list[str], source: Address | None) -> None:
-        self.inner.renew(leases, source)
-
-    def _unpublish(self, leases: list[str], source: Address | None) -> None:
-        self.inner.unpublish(leases, source)
-
-    def address(self) -> dict[str, Any] | None:
-        return self.inner.address()
-
-    def health(self) -> Health:
-        return super().health() if self._closed else self.inner.health()
-
-    def stats(self) -> dict[str, float]:
-        """The inner backend's stats, overlaid with what callers of the wrapper saw
-        (its own save/load counters and ``injected_*`` counts)."""
-        return {**self.inner.stats(), **super().stats()}
-
     def _close(self) -> None:
         self._stop.set()
-        self.inner.close()
+        super()._close()
 
     # ----------------------------------------------------------------- helpers
 
