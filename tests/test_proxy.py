@@ -149,14 +149,17 @@ async def stack(
     dead_prefill: bool = False,
     dead_decode: bool = False,
     timeout_s: float = 10.0,
+    colocated: bool = False,
 ) -> AsyncIterator[Stack]:
-    """Fakes, the proxy in front of them and a client session; all closed on exit."""
-    prefill = [FakeVllm("p0")] if prefill is None else prefill
+    """Fakes, the proxy in front of them and a client session; all closed on exit.
+    ``colocated``: no prefill fakes, the proxy sends requests whole to ``decode``."""
+    prefill = [] if colocated else [FakeVllm("p0")] if prefill is None else prefill
     decode = [FakeVllm("d0")] if decode is None else decode
     async with AsyncExitStack() as running_now:
         p_urls = [await running_now.enter_async_context(running_app(f.app())) for f in prefill]
         d_urls = [await running_now.enter_async_context(running_app(f.app())) for f in decode]
         config = ProxyConfig(
+            colocated=colocated,
             prefill=[closed_port_url()] if dead_prefill else p_urls,
             decode=[closed_port_url()] if dead_decode else d_urls,
             port=0,
@@ -320,6 +323,34 @@ async def test_round_robin_spreads_requests_over_prefill_and_decode_servers() ->
     for fake in decode:  # each decode got the params of the prefill it was paired with
         engines = [g.body["kv_transfer_params"]["remote_engine_id"] for g in fake.got]
         assert engines == ["p" + fake.name[1]] * 2
+
+
+@in_loop
+async def test_colocated_sends_each_request_whole_to_the_next_server_in_turn() -> None:
+    servers = [FakeVllm("s0"), FakeVllm("s1")]
+    async with stack(decode=servers, colocated=True) as s:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 7}
+        answers = [(await s.post("/v1/completions", body))[1] for _ in range(4)]
+        async with s.client.post(s.url + "/v1/completions", json={**body, "stream": True}) as resp:
+            events = await read_events(resp, lambda: None)
+        async with s.client.get(s.url + "/health") as resp:
+            status, health = resp.status, await resp.json()
+    assert [a["by"] for a in answers] == ["s0", "s1", "s0", "s1"]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2", "t3"]
+    got = [g for server in servers for g in server.got if g.path == "/v1/completions"]
+    assert len(got) == 5
+    for g in got:  # untouched: no prefill cut, no hand-off params
+        assert g.body["max_tokens"] == 7
+        assert "kv_transfer_params" not in g.body
+    assert status == 200
+    assert [u["role"] for u in health["upstreams"]] == ["colocated", "colocated"]
+
+
+def test_config_refuses_prefill_servers_when_colocated() -> None:
+    with pytest.raises(ProxyConfigError, match=r"--prefill.*no prefill stage"):
+        config_from_flags(
+            colocated=True, prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"]
+        )
 
 
 # -- failures ----------------------------------------------------------------------

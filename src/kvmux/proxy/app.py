@@ -2,6 +2,9 @@
 
 The proxy adds no protocol of its own (see :mod:`kvmux.proxy.handoff`), so it
 works in front of any vLLM KV connector that follows vLLM's P/D convention.
+Configured ``colocated``, it has no prefill stage and sends each request whole
+to the next server: the same front end for colocated serving, so the two can
+be compared with nothing else changed (``kvmux bench serve`` does).
 It must never be the reason a client hangs or waits longer than it has to:
 
 * every client request has one deadline (``timeout_s``) shared by its prefill
@@ -74,8 +77,9 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = UpstreamPool("prefill", config.prefill)
-        self.decode = UpstreamPool("decode", config.decode)
+        #: None when colocated: no prefill stage, requests go whole to ``decode``'s servers.
+        self.prefill = UpstreamPool("prefill", config.prefill) if config.prefill else None
+        self.decode = UpstreamPool("colocated" if config.colocated else "decode", config.decode)
         self._session: aiohttp.ClientSession | None = None
         self._warned_no_params = False
 
@@ -123,7 +127,7 @@ class Proxy:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every upstream's ``/health`` answers 2xx, else 503 naming the others."""
-        upstreams = [*self.prefill.all(), *self.decode.all()]
+        upstreams = [*(self.prefill.all() if self.prefill else ()), *self.decode.all()]
         problems = await asyncio.gather(*(self._check(u) for u in upstreams))
         report = [
             {"role": u.role, "url": u.url, "ok": problem is None, "detail": problem or "ok"}
@@ -146,16 +150,19 @@ class Proxy:
             return error_response(400, str(exc), "invalid_request_error", request_id)
         deadline = self._deadline()
         headers = self._headers(request, request_id)
-        prefill, decode = self.prefill.next(), self.decode.next()
+        prefill = self.prefill.next() if self.prefill else None
+        decode = self.decode.next()
         path = PATHS[endpoint]
         try:
-            payload = await self._exchange(
-                "POST", prefill, path, prefill_body(body), headers, deadline, request_id
-            )
-            params = kv_params_from(_json_or_none(payload.body))
-            if params is None:
-                self._warn_no_params(prefill)
-            out = decode_body(body, endpoint, params)
+            out = body
+            if prefill is not None:
+                payload = await self._exchange(
+                    "POST", prefill, path, prefill_body(body), headers, deadline, request_id
+                )
+                params = kv_params_from(_json_or_none(payload.body))
+                if params is None:
+                    self._warn_no_params(prefill)
+                out = decode_body(body, endpoint, params)
             if wants_stream(body):
                 return await self._relay_stream(request, decode, path, out, headers, deadline)
             return await self._exchange("POST", decode, path, out, headers, deadline, request_id)

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from kvmux.errors import KvmuxError
 
@@ -39,11 +47,20 @@ class ProxyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    colocated: bool = Field(
+        False,
+        description="no prefill stage: each request goes whole to the next --decode server "
+        "(colocated serving, e.g. to compare it with P/D behind the same front end)",
+    )
     prefill: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the prefill vLLM servers (round-robin)"
+        default_factory=list,
+        validate_default=True,
+        description="base URLs of the prefill vLLM servers (round-robin); none when colocated",
     )
     decode: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the decode vLLM servers (round-robin)"
+        min_length=1,
+        description="base URLs of the decode vLLM servers (round-robin); when colocated, "
+        "the servers that answer whole requests",
     )
     host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0 picks a free one")
@@ -56,6 +73,17 @@ class ProxyConfig(BaseModel):
     max_body_bytes: int = Field(
         64 * 2**20, gt=0, description="largest client request body (long prompts are big)"
     )
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_matches_mode(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        """P/D needs a prefill server; colocated serving has no prefill stage to send to."""
+        colocated = info.data.get("colocated", False)
+        if colocated and urls:
+            raise ValueError("colocated serving has no prefill stage: leave --prefill out")
+        if not colocated and not urls:
+            raise ValueError("at least one prefill server is needed (or --colocated)")
+        return urls
 
 
 class ProxyConfigError(KvmuxError, ValueError):

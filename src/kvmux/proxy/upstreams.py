@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["prefill", "decode"]
+#: ``colocated``: a server that prefills and decodes whole requests (no P/D hand-off).
+Role = Literal["prefill", "decode", "colocated"]
 
 
 @dataclass(frozen=True)
