@@ -1,0 +1,133 @@
+"""``kvmux bench serve``: colocated serving against 1P1D through kvmux, under load.
+
+For each topology (:mod:`~kvmux.bench.serve.topology`) the servers start once;
+then every rate's planned requests (:mod:`~kvmux.bench.serve.workload`, the
+same for every topology) are sent by the load generator
+(:mod:`~kvmux.bench.serve.load`) and summarised
+(:mod:`~kvmux.bench.serve.metrics`). One point is replayed by vLLM's own
+serving benchmark (:mod:`~kvmux.bench.serve.crosscheck`). The results go to
+``--out``: ``results.json`` (everything, every token gap included),
+``summary.md`` and two PNG plots (:mod:`~kvmux.bench.serve.plots`).
+
+The defaults are sized for a 2-core machine and about 20 minutes: four
+topologies of ~40 s start-up each, four rates of 40 s of arrivals each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvmux.bench.serve.crosscheck import CrossCheck, cross_check
+from kvmux.bench.serve.load import run_load
+from kvmux.bench.serve.metrics import RunMetrics, summarize
+from kvmux.bench.serve.plots import missing_reason, write_plots
+from kvmux.bench.serve.report import ServeReport, markdown, verdicts, write_json
+from kvmux.bench.serve.settings import SERVE_MODEL, ServeSettings
+from kvmux.bench.serve.topology import SERVED_MODEL, ServerSettings, serving
+from kvmux.bench.serve.workload import PlannedRequest, RequestMix
+from kvmux.errors import KvmuxError
+from kvmux.models import random_prompts, tiny_model
+
+
+class ServeBenchError(KvmuxError, RuntimeError):
+    """A topology that cannot serve at all (its warm-up failed): no figure would mean much."""
+
+
+def run_serve(
+    settings: ServeSettings, out: Path, progress: Callable[[str], None] = print
+) -> ServeReport:
+    """Every topology at every rate; writes ``out``/results.json, summary.md, *.png."""
+    started = time.perf_counter()
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    no_plots = missing_reason()
+    if no_plots is not None:
+        progress(no_plots)
+        notes.append(no_plots)
+    model_dir = tiny_model(SERVE_MODEL)
+    server = ServerSettings(
+        max_model_len=settings.mix.longest_sequence,
+        max_num_seqs=settings.max_num_seqs,
+        request_timeout_s=settings.request_timeout_s,
+    )
+    plans = [settings.plan_for(i) for i in range(len(settings.rates))]
+    checked = next((t for t in settings.topologies() if t.kind == "pd"), None)
+    runs: list[RunMetrics] = []
+    check: CrossCheck | None = None
+    check_error: str | None = None
+    for topology in settings.topologies():
+        progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
+        with serving(topology, model_dir, out / "logs", server) as url:
+            _warm_up(url, settings.mix, settings.request_timeout_s)
+            for rate, planned in zip(settings.rates, plans, strict=True):
+                progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
+                timings = asyncio.run(
+                    run_load(url, SERVED_MODEL, planned, settings.request_timeout_s)
+                )
+                run = summarize(topology.name, rate, timings, settings.slo)
+                runs.append(run)
+                progress("  " + one_line(run))
+            if settings.crosscheck and topology == checked:
+                # The lowest rate: the least noisy point to measure twice.
+                index = settings.rates.index(min(settings.rates))
+                rate = settings.rates[index]
+                progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
+                ours = next(r for r in runs if r.topology == topology.name and r.rate == rate)
+                try:
+                    check = cross_check(
+                        ours,
+                        url,
+                        SERVED_MODEL,
+                        model_dir,
+                        settings.plan_for(index, fresh_prompts=True),
+                        settings.slo,
+                        out / "logs" / "vllm-benchmark.log",
+                    )
+                except (ImportError, ValueError, KeyError) as exc:
+                    check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
+                    progress(check_error)
+    report = ServeReport(
+        settings=settings.model_dump(mode="json"),
+        model=SERVE_MODEL.model_dump(mode="json", exclude_defaults=True),
+        cpus=os.cpu_count() or 0,
+        started_at=started_at,
+        wall_s=time.perf_counter() - started,
+        runs=runs,
+        verdicts=verdicts(runs),
+        crosscheck=check,
+        crosscheck_error=check_error,
+        notes=notes,
+    )
+    write_json(report, out / "results.json")
+    plots = [] if no_plots is not None else write_plots(runs, out)
+    (out / "summary.md").write_text(markdown(report, [str(p) for p in plots]))
+    return report
+
+
+def one_line(run: RunMetrics) -> str:
+    itl = run.itl
+    ttft = run.ttft
+    return (
+        f"{run.completed}/{run.requests} done, {run.output_throughput:.1f} tok/s, "
+        f"goodput {run.goodput:.2f} req/s, TTFT p50 {ttft.p50_ms if ttft else 0:.0f} ms, "
+        f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms"
+    )
+
+
+def _warm_up(url: str, mix: RequestMix, timeout_s: float) -> None:
+    """Two long prompts (one per colocated instance) before any timing: first requests
+    pay one-off costs (allocations, lazy imports) that no rate should see."""
+    prompts: Sequence[list[int]] = random_prompts(
+        2, mix.long_prompt_tokens, seed=999_999, vocab_size=SERVE_MODEL.vocab_size
+    )
+    warm = [PlannedRequest(i, "long-prompt", p, 4, 0.0) for i, p in enumerate(prompts)]
+    timings = asyncio.run(run_load(url, SERVED_MODEL, warm, timeout_s))
+    failed = [t.error for t in timings if not t.ok]
+    if failed:
+        raise ServeBenchError(f"warm-up requests failed at {url}: {failed[0]}")
