@@ -221,9 +221,11 @@ def taskset_prefix(cpus: Sequence[int]) -> list[str]:
 def pinned_env(cpus: Sequence[int]) -> dict[str, str]:
     """vLLM-CPU's OpenMP threads on exactly the pinned cores, one thread each.
 
-    Without it vLLM either binds its threads itself (``auto``: to cores it
-    picks, maybe outside the ``taskset`` mask) or, with ``nobind``, starts one
-    thread per core of the machine, which then fight over the pinned ones.
+    ``OMP_NUM_THREADS`` sizes torch's pool to the pinned cores (unset, it may
+    start one thread per core of the machine, which then fight over the pinned
+    ones); ``VLLM_CPU_OMP_THREADS_BIND`` names the same cores for when vLLM binds
+    threads itself (its multiprocess executor), instead of ``auto`` picking
+    cores that may lie outside the ``taskset`` mask.
     """
     if not cpus:
         return {}

@@ -162,7 +162,7 @@ def compare(
     ]
     definitions = [
         FigureCheck(
-            figure=f"{name} (ms), same timings",
+            figure=f"p{q} {name} (ms), same timings",
             kvmux=getattr(stats, f"p{q}_ms"),
             vllm=result[f"p{q}_{key}_ms"],
         )

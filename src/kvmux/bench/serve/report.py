@@ -87,6 +87,8 @@ class ServeReport(BaseModel):
     verdicts: list[Verdict]
     crosscheck: CrossCheck | None = None
     crosscheck_error: str | None = None
+    kv_loaded: dict[str, dict[str, float]] = {}
+    """Per 1P1D topology, its decode server's kvmux load counters over all its runs."""
     notes: list[str] = []
 
 
@@ -208,6 +210,14 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     failed = [r for r in report.runs if r.errors]
     for r in failed:
         lines.append(f"\n{r.topology} at {r.rate:g} req/s: {r.failed} failed, e.g. {r.errors[0]}")
+    for name, kv in report.kv_loaded.items():
+        lost = kv.get("load_blocks_failed", 0) + kv.get("load_blocks_missing", 0)
+        lines.append(
+            f"\n{name}: the decode server loaded {kv.get('load_blocks_ok', 0):.0f} blocks "
+            f"({kv.get('load_bytes', 0) / 2**20:.0f} MiB) through kvmux, {lost:.0f} failed or "
+            "missing (its own counters)"
+            + ("" if kv.get("load_blocks_ok", 0) else ": NO KV MOVED, decode recomputed prompts")
+        )
     lines += ["", "## The claim", "", f"Anchor: {ANCHOR}.", ""]
     for v in report.verdicts:
         lines += [

@@ -28,10 +28,13 @@ from kvmux.bench.serve.metrics import RunMetrics, summarize
 from kvmux.bench.serve.plots import missing_reason, write_plots
 from kvmux.bench.serve.report import ServeReport, markdown, verdicts, write_json
 from kvmux.bench.serve.settings import SERVE_MODEL, ServeSettings
-from kvmux.bench.serve.topology import SERVED_MODEL, ServerSettings, serving
+from kvmux.bench.serve.topology import SERVED_MODEL, ServerSettings, kvmux_counters, serving
 from kvmux.bench.serve.workload import PlannedRequest, RequestMix
 from kvmux.errors import KvmuxError
 from kvmux.models import random_prompts, tiny_model
+
+#: The decode side's counters that show KV moved (or did not).
+KV_STATS = ("load_blocks_ok", "load_bytes", "load_blocks_failed", "load_blocks_missing")
 
 
 class ServeBenchError(KvmuxError, RuntimeError):
@@ -61,9 +64,11 @@ def run_serve(
     runs: list[RunMetrics] = []
     check: CrossCheck | None = None
     check_error: str | None = None
+    kv: dict[str, dict[str, float]] = {}
     for topology in settings.topologies():
         progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
-        with serving(topology, model_dir, out / "logs", server) as url:
+        with serving(topology, model_dir, out / "logs", server) as served:
+            url = served.url
             _warm_up(url, settings.mix, settings.request_timeout_s)
             for rate, planned in zip(settings.rates, plans, strict=True):
                 progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
@@ -92,6 +97,10 @@ def run_serve(
                 except (ImportError, ValueError, KeyError) as exc:
                     check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
                     progress(check_error)
+            if served.decode_urls:
+                counters = [kvmux_counters(u) for u in served.decode_urls]
+                kv[topology.name] = {k: sum(c.get(k, 0.0) for c in counters) for k in KV_STATS}
+                progress(f"{topology.name}: decode's kvmux counters {kv[topology.name]}")
     report = ServeReport(
         settings=settings.model_dump(mode="json"),
         model=SERVE_MODEL.model_dump(mode="json", exclude_defaults=True),
@@ -102,6 +111,7 @@ def run_serve(
         verdicts=verdicts(runs),
         crosscheck=check,
         crosscheck_error=check_error,
+        kv_loaded=kv,
         notes=notes,
     )
     write_json(report, out / "results.json")

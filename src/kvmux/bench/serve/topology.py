@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,7 +85,6 @@ def server_args(
         "--block-size",
         str(BLOCK_SIZE),
         "--disable-uvicorn-access-log",
-        "--disable-log-stats",
     ]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer)]
@@ -113,12 +115,21 @@ def servers_for(
     return [prefill], [decode]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """A running topology: where clients go, and its decode servers (whose kvmux
+    counters say whether KV was loaded or the prompts recomputed)."""
+
+    url: str
+    decode_urls: list[str]
+
+
 @contextlib.contextmanager
 def serving(
     topology: Topology, model_dir: Path, log_dir: Path, settings: ServerSettings
-) -> Iterator[str]:
-    """``topology``'s servers and the proxy in front of them, for the ``with`` block;
-    yields the proxy's URL. Every server is stopped on exit, whatever happened."""
+) -> Iterator[Serving]:
+    """``topology``'s servers and the proxy in front of them, for the ``with`` block.
+    Every server is stopped on exit, whatever happened."""
     from kvmux.proxy import ProxyConfig
 
     prefill, decode = servers_for(topology, model_dir, log_dir / _slug(topology.name), settings)
@@ -137,11 +148,26 @@ def serving(
             timeout_s=settings.request_timeout_s,
         )
         proxy = ProxyThread(config)
-        yield proxy.start()
+        url = proxy.start()
+        yield Serving(url, [] if topology.kind == "colocated" else [s.url for s in decode])
     finally:
         if proxy is not None:
             proxy.stop()
         stop_all(everything)
+
+
+_COUNTER = re.compile(r'^vllm:kvmux_stat_total\{[^}]*stat="([^"]+)"[^}]*\}\s+(\S+)$', re.MULTILINE)
+
+
+def kvmux_counters(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """A vLLM server's kvmux counters from its Prometheus ``/metrics`` (summed over
+    engines); empty when it has no kvmux connector."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+        text = resp.read().decode(errors="replace")
+    totals: dict[str, float] = {}
+    for stat, value in _COUNTER.findall(text):
+        totals[stat] = totals.get(stat, 0.0) + float(value)
+    return totals
 
 
 def _slug(name: str) -> str:
