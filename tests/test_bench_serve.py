@@ -387,3 +387,40 @@ def test_load_generator_sends_on_schedule_and_times_every_chunk() -> None:
     assert {b["stream"] for b in got} == {True}
     assert {b["ignore_eos"] for b in got} == {True}
     assert got[0]["max_tokens"] == 4 and got[0]["prompt"] == [5, 6]
+
+
+# ------------------------------------------------------------------ topologies
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_colocated_is_two_chunked_instances_one_core_each(tmp_path: Path) -> None:
+    from kvmux.bench.serve.topology import ServerSettings, Topology, servers_for
+
+    settings = ServerSettings(max_model_len=1600)
+    front, servers = servers_for(
+        Topology(kind="colocated", chunk_tokens=256), tmp_path, tmp_path, settings
+    )
+    assert front == []
+    assert [s.cpus for s in servers] == [(0,), (1,)]
+    for s in servers:
+        assert _flag(s.args, "--max-num-batched-tokens") == "256"
+        assert _flag(s.args, "--kv-transfer-config") is None
+        assert s.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_pd_is_a_prefill_core_and_a_decode_core_joined_by_kvmux(tmp_path: Path) -> None:
+    from kvmux.bench.serve.topology import ServerSettings, Topology, servers_for
+
+    settings = ServerSettings(max_model_len=1600, pool_gib=1)
+    (prefill,), (decode,) = servers_for(
+        Topology(kind="pd", backend="tcp"), tmp_path, tmp_path, settings
+    )
+    assert (prefill.cpus, decode.cpus) == ((0,), (1,))
+    for server, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        kv = json.loads(_flag(server.args, "--kv-transfer-config") or "{}")
+        assert kv["kv_connector"] == "kvmux" and kv["kv_role"] == role
+        assert kv["kv_connector_extra_config"] == {"backend": "tcp", "capacity_bytes": 2**30}
+        assert _flag(server.args, "--max-num-batched-tokens") == "1600"  # never chunked

@@ -53,6 +53,7 @@ def run_serve(
     if no_plots is not None:
         progress(no_plots)
         notes.append(no_plots)
+    notes.append(f"load average at the start {_load_average()} (1, 5, 15 min)")
     model_dir = tiny_model(SERVE_MODEL)
     server = ServerSettings(
         max_model_len=settings.mix.longest_sequence,
@@ -101,6 +102,10 @@ def run_serve(
                 counters = [kvmux_counters(u) for u in served.decode_urls]
                 kv[topology.name] = {k: sum(c.get(k, 0.0) for c in counters) for k in KV_STATS}
                 progress(f"{topology.name}: decode's kvmux counters {kv[topology.name]}")
+    notes.append(
+        f"load average at the end {_load_average()}: above {os.cpu_count()} means other "
+        "processes shared the pinned cores and the figures are noisy"
+    )
     report = ServeReport(
         settings=settings.model_dump(mode="json"),
         model=SERVE_MODEL.model_dump(mode="json", exclude_defaults=True),
@@ -128,6 +133,10 @@ def one_line(run: RunMetrics) -> str:
         f"goodput {run.goodput:.2f} req/s, TTFT p50 {ttft.p50_ms if ttft else 0:.0f} ms, "
         f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms"
     )
+
+
+def _load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _warm_up(url: str, mix: RequestMix, timeout_s: float) -> None:

@@ -61,6 +61,7 @@ class ServerSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     dtype: str = "bfloat16"
     kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE per server")
+    pool_gib: int = Field(1, ge=1, description="1P1D: the kvmux pool of each server")
     start_timeout_s: float = Field(300.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
 
@@ -110,9 +111,18 @@ def servers_for(
     # The prefill takes a whole prompt in one step (it has nothing else to do);
     # the decode prefills only what its KV load did not bring.
     whole = settings.max_model_len
-    prefill = server("prefill", 0, whole, kv_transfer_config("kv_producer", topology.backend))
-    decode = server("decode", 1, whole, kv_transfer_config("kv_consumer", topology.backend))
+    prefill = server("prefill", 0, whole, pd_transfer_config("kv_producer", topology, settings))
+    decode = server("decode", 1, whole, pd_transfer_config("kv_consumer", topology, settings))
     return [prefill], [decode]
+
+
+def pd_transfer_config(role: str, topology: Topology, settings: ServerSettings) -> dict[str, Any]:
+    """The demo's kvmux config (recompute on a failed load), with a pool big enough that
+    no prompt is evicted before decode reads it: an evicted prompt would be recomputed
+    on the decode server, which is colocated serving again, not P/D."""
+    config = kv_transfer_config(role, topology.backend)
+    config["kv_connector_extra_config"]["capacity_bytes"] = settings.pool_gib * 2**30
+    return config
 
 
 @dataclass(frozen=True)
