@@ -140,6 +140,9 @@ class RunMetrics(BaseModel):
     """The first few distinct errors, to say why requests failed."""
     itls_ms: list[float] = Field(default_factory=list, repr=False)
     """Every gap, for the CDF plot."""
+    load_average: float | None = None
+    """The machine's 1-minute load average as the run ended: above its core count,
+    other processes shared the pinned cores."""
 
 
 def summarize(topology: str, rate: float, timings: Sequence[RequestTiming], slo: Slo) -> RunMetrics:

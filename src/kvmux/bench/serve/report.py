@@ -198,15 +198,20 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     lines += [*(f"Note: {n}" for n in report.notes), "", "## Runs", ""]
     lines += [
         "| topology | rate (req/s) | done / sent | output tok/s | goodput req/s | "
-        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.runs:
+        load = "-" if r.load_average is None else f"{r.load_average:.1f}"
         lines.append(
             f"| {r.topology} | {r.rate:g} | {r.completed} / {r.requests} | "
             f"{r.output_throughput:.1f} | {r.goodput:.2f} | {_triple(r.ttft)} | "
-            f"{_triple(r.itl)} | {_triple(r.e2e)} |"
+            f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} |"
         )
+    lines.append(
+        "\nload: the 1-minute load average as the run ended; above the core count, other "
+        "processes shared the pinned cores."
+    )
     failed = [r for r in report.runs if r.errors]
     for r in failed:
         lines.append(f"\n{r.topology} at {r.rate:g} req/s: {r.failed} failed, e.g. {r.errors[0]}")

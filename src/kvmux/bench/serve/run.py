@@ -76,7 +76,9 @@ def run_serve(
                 timings = asyncio.run(
                     run_load(url, SERVED_MODEL, planned, settings.request_timeout_s)
                 )
-                run = summarize(topology.name, rate, timings, settings.slo)
+                run = summarize(topology.name, rate, timings, settings.slo).model_copy(
+                    update={"load_average": round(os.getloadavg()[0], 2)}
+                )
                 runs.append(run)
                 progress("  " + one_line(run))
             if settings.crosscheck and topology == checked:
@@ -131,7 +133,8 @@ def one_line(run: RunMetrics) -> str:
     return (
         f"{run.completed}/{run.requests} done, {run.output_throughput:.1f} tok/s, "
         f"goodput {run.goodput:.2f} req/s, TTFT p50 {ttft.p50_ms if ttft else 0:.0f} ms, "
-        f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms"
+        f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms, "
+        f"load average {run.load_average}"
     )
 
 
