@@ -424,3 +424,25 @@ def test_pd_is_a_prefill_core_and_a_decode_core_joined_by_kvmux(tmp_path: Path) 
         assert kv["kv_connector"] == "kvmux" and kv["kv_role"] == role
         assert kv["kv_connector_extra_config"] == {"backend": "tcp", "capacity_bytes": 2**30}
         assert _flag(server.args, "--max-num-batched-tokens") == "1600"  # never chunked
+
+
+def test_a_topology_that_cannot_start_is_reported_and_the_results_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from kvmux.bench.serve import run
+    from kvmux.demo.servers import ServerError
+
+    @contextmanager
+    def broken(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        raise ServerError("vLLM server 'colocated0' exited with status 1 while starting")
+        yield
+
+    monkeypatch.setattr(run, "serving", broken)
+    settings = ServeSettings(rates=(1.0,), chunk_sizes=(256,), backends=(), crosscheck=False)
+    report = run.run_serve(settings, tmp_path, progress=lambda _: None)
+    assert report.runs == []
+    assert any("colocated chunk=256 was not measured" in n for n in report.notes)
+    assert (tmp_path / "results.json").is_file()
+    assert "exited with status 1" in (tmp_path / "summary.md").read_text()

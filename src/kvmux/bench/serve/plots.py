@@ -28,7 +28,9 @@ def _topologies(runs: Sequence[RunMetrics]) -> list[str]:
 
 
 def write_plots(runs: Sequence[RunMetrics], out: Path) -> list[Path]:
-    """``itl_cdf.png`` and ``vs_rate.png`` in ``out``; the paths written."""
+    """``itl_cdf.png`` and ``vs_rate.png`` in ``out``; the paths written (none without runs)."""
+    if not runs:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a display

@@ -20,6 +20,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmux.bench.serve.crosscheck import CrossCheck, cross_check
@@ -28,8 +29,15 @@ from kvmux.bench.serve.metrics import RunMetrics, summarize
 from kvmux.bench.serve.plots import missing_reason, write_plots
 from kvmux.bench.serve.report import ServeReport, markdown, verdicts, write_json
 from kvmux.bench.serve.settings import SERVE_MODEL, ServeSettings
-from kvmux.bench.serve.topology import SERVED_MODEL, ServerSettings, kvmux_counters, serving
+from kvmux.bench.serve.topology import (
+    SERVED_MODEL,
+    ServerSettings,
+    Topology,
+    kvmux_counters,
+    serving,
+)
 from kvmux.bench.serve.workload import PlannedRequest, RequestMix
+from kvmux.demo.servers import ServerError
 from kvmux.errors import KvmuxError
 from kvmux.models import random_prompts, tiny_model
 
@@ -41,70 +49,44 @@ class ServeBenchError(KvmuxError, RuntimeError):
     """A topology that cannot serve at all (its warm-up failed): no figure would mean much."""
 
 
+@dataclass
+class _Results:
+    """What the topologies have measured so far."""
+
+    runs: list[RunMetrics] = field(default_factory=list)
+    kv: dict[str, dict[str, float]] = field(default_factory=dict)
+    check: CrossCheck | None = None
+    check_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 def run_serve(
     settings: ServeSettings, out: Path, progress: Callable[[str], None] = print
 ) -> ServeReport:
-    """Every topology at every rate; writes ``out``/results.json, summary.md, *.png."""
+    """Every topology at every rate; writes ``out``/results.json, summary.md, *.png.
+
+    A topology that cannot start or serve is reported (in the notes) and the
+    others still run: a long run never ends with nothing written.
+    """
     started = time.perf_counter()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     out.mkdir(parents=True, exist_ok=True)
-    notes = []
+    results = _Results()
     no_plots = missing_reason()
     if no_plots is not None:
         progress(no_plots)
-        notes.append(no_plots)
-    notes.append(f"load average at the start {_load_average()} (1, 5, 15 min)")
+        results.notes.append(no_plots)
+    results.notes.append(f"load average at the start {_load_average()} (1, 5, 15 min)")
     model_dir = tiny_model(SERVE_MODEL)
-    server = ServerSettings(
-        max_model_len=settings.mix.longest_sequence,
-        max_num_seqs=settings.max_num_seqs,
-        request_timeout_s=settings.request_timeout_s,
-    )
-    plans = [settings.plan_for(i) for i in range(len(settings.rates))]
     checked = next((t for t in settings.topologies() if t.kind == "pd"), None)
-    runs: list[RunMetrics] = []
-    check: CrossCheck | None = None
-    check_error: str | None = None
-    kv: dict[str, dict[str, float]] = {}
     for topology in settings.topologies():
         progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
-        with serving(topology, model_dir, out / "logs", server) as served:
-            url = served.url
-            _warm_up(url, settings.mix, settings.request_timeout_s)
-            for rate, planned in zip(settings.rates, plans, strict=True):
-                progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
-                timings = asyncio.run(
-                    run_load(url, SERVED_MODEL, planned, settings.request_timeout_s)
-                )
-                run = summarize(topology.name, rate, timings, settings.slo).model_copy(
-                    update={"load_average": round(os.getloadavg()[0], 2)}
-                )
-                runs.append(run)
-                progress("  " + one_line(run))
-            if settings.crosscheck and topology == checked:
-                # The lowest rate: the least noisy point to measure twice.
-                index = settings.rates.index(min(settings.rates))
-                rate = settings.rates[index]
-                progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
-                ours = next(r for r in runs if r.topology == topology.name and r.rate == rate)
-                try:
-                    check = cross_check(
-                        ours,
-                        url,
-                        SERVED_MODEL,
-                        model_dir,
-                        settings.plan_for(index, fresh_prompts=True),
-                        settings.slo,
-                        out / "logs" / "vllm-benchmark.log",
-                    )
-                except (ImportError, ValueError, KeyError) as exc:
-                    check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
-                    progress(check_error)
-            if served.decode_urls:
-                counters = [kvmux_counters(u) for u in served.decode_urls]
-                kv[topology.name] = {k: sum(c.get(k, 0.0) for c in counters) for k in KV_STATS}
-                progress(f"{topology.name}: decode's kvmux counters {kv[topology.name]}")
-    notes.append(
+        try:
+            _measure(topology, settings, model_dir, out, results, progress, topology == checked)
+        except (ServerError, ServeBenchError, OSError) as exc:
+            results.notes.append(f"{topology.name} was not measured in full: {exc}")
+            progress(results.notes[-1])
+    results.notes.append(
         f"load average at the end {_load_average()}: above {os.cpu_count()} means other "
         "processes shared the pinned cores and the figures are noisy"
     )
@@ -114,17 +96,71 @@ def run_serve(
         cpus=os.cpu_count() or 0,
         started_at=started_at,
         wall_s=time.perf_counter() - started,
-        runs=runs,
-        verdicts=verdicts(runs),
-        crosscheck=check,
-        crosscheck_error=check_error,
-        kv_loaded=kv,
-        notes=notes,
+        runs=results.runs,
+        verdicts=verdicts(results.runs),
+        crosscheck=results.check,
+        crosscheck_error=results.check_error,
+        kv_loaded=results.kv,
+        notes=results.notes,
     )
     write_json(report, out / "results.json")
-    plots = [] if no_plots is not None else write_plots(runs, out)
+    plots = [] if no_plots is not None else write_plots(results.runs, out)
     (out / "summary.md").write_text(markdown(report, [str(p) for p in plots]))
     return report
+
+
+def _measure(
+    topology: Topology,
+    settings: ServeSettings,
+    model_dir: Path,
+    out: Path,
+    results: _Results,
+    progress: Callable[[str], None],
+    cross_checked: bool,
+) -> None:
+    """One topology: start it, every rate, the cross-check if it is the one, its counters."""
+    server = ServerSettings(
+        max_model_len=settings.mix.longest_sequence,
+        max_num_seqs=settings.max_num_seqs,
+        request_timeout_s=settings.request_timeout_s,
+    )
+    with serving(topology, model_dir, out / "logs", server) as served:
+        _warm_up(served.url, settings.mix, settings.request_timeout_s)
+        for index, rate in enumerate(settings.rates):
+            planned = settings.plan_for(index)
+            progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
+            timings = asyncio.run(
+                run_load(served.url, SERVED_MODEL, planned, settings.request_timeout_s)
+            )
+            run = summarize(topology.name, rate, timings, settings.slo).model_copy(
+                update={"load_average": round(os.getloadavg()[0], 2)}
+            )
+            results.runs.append(run)
+            progress("  " + one_line(run))
+        if settings.crosscheck and cross_checked:
+            # The lowest rate: the least noisy point to measure twice.
+            index = settings.rates.index(min(settings.rates))
+            rate = settings.rates[index]
+            progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
+            ours = next(r for r in results.runs if r.topology == topology.name and r.rate == rate)
+            try:
+                results.check = cross_check(
+                    ours,
+                    served.url,
+                    SERVED_MODEL,
+                    model_dir,
+                    settings.plan_for(index, fresh_prompts=True),
+                    settings.slo,
+                    out / "logs" / "vllm-benchmark.log",
+                )
+            except (ImportError, ValueError, KeyError) as exc:
+                results.check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
+                progress(results.check_error)
+        if served.decode_urls:
+            counters = [kvmux_counters(u) for u in served.decode_urls]
+            kv = {k: sum(c.get(k, 0.0) for c in counters) for k in KV_STATS}
+            results.kv[topology.name] = kv
+            progress(f"{topology.name}: decode's kvmux counters {kv}")
 
 
 def one_line(run: RunMetrics) -> str:
