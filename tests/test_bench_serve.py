@@ -291,7 +291,7 @@ def test_vllm_timings_rebuild_chunk_times_and_compare_figure_by_figure() -> None
     assert ours.ttft is not None and ours.itl is not None
     vllm_figures = {
         "output_throughput": ours.output_throughput * 1.05,
-        "median_ttft_ms": ours.ttft.p50_ms * 1.2,
+        "mean_ttft_ms": ours.ttft.mean_ms * 1.2,
         "median_itl_ms": ours.itl.p50_ms,
         "p50_ttft_ms": ours.ttft.p50_ms,
         "p99_ttft_ms": ours.ttft.p99_ms,

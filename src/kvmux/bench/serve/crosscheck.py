@@ -7,8 +7,10 @@ of the same shapes (the same prompts again would be prefix-cache hits). Two
 comparisons come out of it:
 
 * **client vs client** - kvmux's run and vLLM's run of that point: output
-  throughput, median TTFT and median ITL should agree within 10% (two runs
-  on a noisy machine; medians, because tails of two runs differ by nature);
+  throughput, mean TTFT and median ITL should agree within 10% (two runs on
+  a noisy machine: no tails, which differ by nature; and the mean TTFT, since
+  TTFTs of a mix of long and short prompts fall in two clusters whose median
+  jumps from one to the other);
 * **definitions** - kvmux's :func:`~kvmux.bench.serve.metrics.summarize` over
   vLLM's own per-request timings must give vLLM's figures (exact up to the
   duration each counts): proof that both mean the same by TTFT and ITL.
@@ -155,9 +157,7 @@ def compare(
             kvmux=ours.output_throughput,
             vllm=result["output_throughput"],
         ),
-        FigureCheck(
-            figure="median TTFT (ms)", kvmux=ours.ttft.p50_ms, vllm=result["median_ttft_ms"]
-        ),
+        FigureCheck(figure="mean TTFT (ms)", kvmux=ours.ttft.mean_ms, vllm=result["mean_ttft_ms"]),
         FigureCheck(figure="median ITL (ms)", kvmux=ours.itl.p50_ms, vllm=result["median_itl_ms"]),
     ]
     definitions = [

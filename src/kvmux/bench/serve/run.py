@@ -10,7 +10,7 @@ serving benchmark (:mod:`~kvmux.bench.serve.crosscheck`). The results go to
 ``summary.md`` and two PNG plots (:mod:`~kvmux.bench.serve.plots`).
 
 The defaults are sized for a 2-core machine and about 20 minutes: four
-topologies of ~40 s start-up each, four rates of 40 s of arrivals each.
+topologies of ~40 s start-up each, four rates of 30 s of arrivals each (and their drains).
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rates: tuple[float, ...] = Field((0.5, 1.0, 2.0, 3.0), min_length=1)
+    rates: tuple[float, ...] = Field((1.0, 2.0, 3.0, 4.0), min_length=1)
     chunk_sizes: tuple[int, ...] = Field(
         (256, 512, 2048), description="colocated --max-num-batched-tokens values"
     )
     backends: tuple[Literal["shm", "tcp"], ...] = Field(("shm",), description="1P1D backends")
-    duration_s: float = Field(40.0, gt=0, description="seconds of arrivals per rate")
+    duration_s: float = Field(30.0, gt=0, description="seconds of arrivals per rate")
     seed: int = Field(0, ge=0)
     mix: RequestMix = RequestMix()
     slo: Slo = Slo()
