@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ def vllm_benchmark(
     url: str, model: str, tokenizer_dir: Path, requests: Sequence[PlannedRequest], log: Path
 ) -> dict[str, Any]:
     """vLLM's serving benchmark over ``requests`` (their arrival times replayed);
-    its result dict. What it prints goes to ``log``."""
+    its result dict. What it prints goes to ``log``, its per-request figures beside it
+    (``.json``)."""
     from vllm.benchmarks.datasets import SampleRequest
     from vllm.benchmarks.serve import TaskType, benchmark
     from vllm.tokenizers import get_tokenizer
@@ -116,6 +118,8 @@ def vllm_benchmark(
         )
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(printed.getvalue())
+    raw = {k: v for k, v in result.items() if k != "generated_texts"}
+    log.with_suffix(".json").write_text(json.dumps(raw, default=str) + "\n")
     return result
 
 

@@ -245,6 +245,12 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
             f"Crossover: {v.crossover}.",
             "",
         ]
+    if report.verdicts:
+        lines += [
+            "Throughput is vLLM's: generated tokens over the whole run, its drain included; "
+            "at a rate both sustain, the one with the slower tail reads lower.",
+            "",
+        ]
     lines += ["## Cross-check with vLLM's serving benchmark", ""]
     c = report.crosscheck
     if c is None:

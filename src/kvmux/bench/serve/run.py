@@ -78,7 +78,8 @@ def run_serve(
         results.notes.append(no_plots)
     results.notes.append(f"load average at the start {_load_average()} (1, 5, 15 min)")
     model_dir = tiny_model(SERVE_MODEL)
-    checked = next((t for t in settings.topologies() if t.kind == "pd"), None)
+    pds = [t for t in settings.topologies() if t.kind == "pd"]
+    checked = pds[0] if settings.crosscheck and pds else None
     for topology in settings.topologies():
         progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
         try:
@@ -118,7 +119,8 @@ def _measure(
     progress: Callable[[str], None],
     cross_checked: bool,
 ) -> None:
-    """One topology: start it, every rate, the cross-check if it is the one, its counters."""
+    """One topology: start it, every rate (and the cross-check, if this is the topology
+    for it), then its decode's kvmux counters."""
     server = ServerSettings(
         max_model_len=settings.mix.longest_sequence,
         max_num_seqs=settings.max_num_seqs,
@@ -126,6 +128,9 @@ def _measure(
     )
     with serving(topology, model_dir, out / "logs", server) as served:
         _warm_up(served.url, settings.mix, settings.request_timeout_s)
+        # The lowest rate is cross-checked: the least noisy point to measure twice,
+        # and right after kvmux's own run of it, so both see the same machine.
+        checked_index = settings.rates.index(min(settings.rates)) if cross_checked else None
         for index, rate in enumerate(settings.rates):
             planned = settings.plan_for(index)
             progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
@@ -137,25 +142,21 @@ def _measure(
             )
             results.runs.append(run)
             progress("  " + one_line(run))
-        if settings.crosscheck and cross_checked:
-            # The lowest rate: the least noisy point to measure twice.
-            index = settings.rates.index(min(settings.rates))
-            rate = settings.rates[index]
-            progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
-            ours = next(r for r in results.runs if r.topology == topology.name and r.rate == rate)
-            try:
-                results.check = cross_check(
-                    ours,
-                    served.url,
-                    SERVED_MODEL,
-                    model_dir,
-                    settings.plan_for(index, fresh_prompts=True),
-                    settings.slo,
-                    out / "logs" / "vllm-benchmark.log",
-                )
-            except (ImportError, ValueError, KeyError) as exc:
-                results.check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
-                progress(results.check_error)
+            if index == checked_index:
+                progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
+                try:
+                    results.check = cross_check(
+                        run,
+                        served.url,
+                        SERVED_MODEL,
+                        model_dir,
+                        settings.plan_for(index, fresh_prompts=True),
+                        settings.slo,
+                        out / "logs" / "vllm-benchmark.log",
+                    )
+                except (ImportError, ValueError, KeyError) as exc:
+                    results.check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
+                    progress(results.check_error)
         if served.decode_urls:
             counters = [kvmux_counters(u) for u in served.decode_urls]
             kv = {k: sum(c.get(k, 0.0) for c in counters) for k in KV_STATS}
