@@ -179,6 +179,15 @@ def _triple(stats: LatencyStats | None) -> str:
     return f"{stats.p50_ms:.0f} / {stats.p90_ms:.0f} / {stats.p99_ms:.0f}"
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _load_of(report: ServeReport, topology: str, rate: float) -> str:
+    run = next((r for r in report.runs if r.topology == topology and r.rate == rate), None)
+    return "-" if run is None or run.load_average is None else f"{run.load_average:.1f}"
+
+
 def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     """The summary a reader looks at first: settings, every run, the claim, the cross-check."""
     s = report.settings
@@ -258,8 +267,11 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     else:
         lines += [
             f"{c.topology} at {c.rate:g} req/s, the same arrival schedule replayed by "
-            f"`vllm.benchmarks.serve` (log: {c.vllm_log}). Agrees within 10%: "
-            f"**{'yes' if c.agrees else 'no'}**.",
+            f"`vllm.benchmarks.serve` right after kvmux's run of it, with fresh prompts "
+            f"(log: {c.vllm_log}). The two runs agree within 10%: "
+            f"**{_yes(all(f.agrees for f in c.clients))}**; kvmux's metrics over vLLM's own "
+            f"timings equal vLLM's: **{_yes(all(f.agrees for f in c.definitions))}**. "
+            f"Load average at the end of kvmux's run: {_load_of(report, c.topology, c.rate)}.",
             "",
             "| figure | kvmux | vLLM | difference | within 10% |",
             "|---|---:|---:|---:|---|",
