@@ -141,8 +141,9 @@ class RunMetrics(BaseModel):
     itls_ms: list[float] = Field(default_factory=list, repr=False)
     """Every gap, for the CDF plot."""
     load_average: float | None = None
-    """The machine's 1-minute load average as the run ended: above its core count,
-    other processes shared the pinned cores."""
+    """The machine's 1-minute load average as the run ended. The benchmark's own
+    processes count (two servers of an API and an engine process each, the client):
+    2 or more under load on their own; well above that, others shared the cores."""
 
 
 def summarize(topology: str, rate: float, timings: Sequence[RequestTiming], slo: Slo) -> RunMetrics:

@@ -218,8 +218,10 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
             f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} |"
         )
     lines.append(
-        "\nload: the 1-minute load average as the run ended; above the core count, other "
-        "processes shared the pinned cores."
+        "\nload: the 1-minute load average as the run ended. This benchmark's own processes "
+        "count (two servers of an API and an engine process each, the client and proxy): "
+        "2 or more under load on their own; well above that, other processes "
+        "shared the pinned cores."
     )
     failed = [r for r in report.runs if r.errors]
     for r in failed:

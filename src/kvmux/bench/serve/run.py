@@ -88,8 +88,8 @@ def run_serve(
             results.notes.append(f"{topology.name} was not measured in full: {exc}")
             progress(results.notes[-1])
     results.notes.append(
-        f"load average at the end {_load_average()}: above {os.cpu_count()} means other "
-        "processes shared the pinned cores and the figures are noisy"
+        f"load average at the end {_load_average()} (this benchmark's own processes make "
+        "2 or more under load; well above that, other processes shared the pinned cores)"
     )
     report = ServeReport(
         settings=settings.model_dump(mode="json"),
