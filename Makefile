@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.kvmux-installed
 TORCH  := torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-serve clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip
 	$(PIP) install $(TORCH)
-	$(PIP) install -e '.[dev,vllm]'
+	$(PIP) install -e '.[dev,vllm,bench]'
 	# PyPI's torchvision & co. are CUDA builds that break transformers' imports on
 	# a CPU torch; vLLM does not need them on the CPU, nor triton (shared/NOTES.md).
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
@@ -51,6 +51,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvmux bench
+
+# Colocated vs 1P1D vLLM serving under load (~20 min on 2 cores); results in bench-serve/.
+bench-serve: $(STAMP)
+	$(BIN)/kvmux bench serve --out bench-serve
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

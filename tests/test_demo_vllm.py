@@ -402,6 +402,23 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     assert not _group_alive(server.pid)
 
 
+def test_pinned_server_and_its_threads_stay_on_the_given_cores(tmp_path: Path) -> None:
+    core = max(os.sched_getaffinity(0))
+    server = VllmServer("pinned", "no-model", log_dir=tmp_path, cpus=(core,))
+    taskset = server.command[: server.command.index(sys.executable)]
+    assert taskset[1:] == ["-c", str(core)]
+    assert server.env["OMP_NUM_THREADS"] == "1"
+    assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == str(core)
+    script = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)))"
+    child = "import os; print(sorted(os.sched_getaffinity(0)))"
+    script += f"; subprocess.run([sys.executable, '-c', {child!r}])"
+    out = subprocess.run(
+        [*taskset, sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split("\n")[:2] == [f"[{core}]", f"[{core}]"], out  # children inherit it
+    assert VllmServer("free", "no-model", log_dir=tmp_path).command[0] == sys.executable
+
+
 def _wait_for_child(log: Path, timeout_s: float = 30) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

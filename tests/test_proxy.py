@@ -199,17 +199,20 @@ async def stack(
     dead_decode: bool = False,
     timeout_s: float = 10.0,
     first_prefill: Sequence[str] = (),
+    colocated: bool = False,
     **config: Any,
 ) -> AsyncIterator[Stack]:
     """Fakes, the proxy in front of them and a client session; all closed on exit.
     ``first_prefill`` URLs come before the fakes' in the prefill pool; ``config``
-    goes to :class:`ProxyConfig`."""
-    prefill = [FakeVllm("p0")] if prefill is None else prefill
+    goes to :class:`ProxyConfig`. ``colocated``: no prefill fakes, the proxy sends
+    requests whole to ``decode``."""
+    prefill = [] if colocated else [FakeVllm("p0")] if prefill is None else prefill
     decode = [FakeVllm("d0")] if decode is None else decode
     async with AsyncExitStack() as running_now:
         p_urls = [await running_now.enter_async_context(running_app(f.app())) for f in prefill]
         d_urls = [await running_now.enter_async_context(running_app(f.app())) for f in decode]
         proxy_config = ProxyConfig(
+            colocated=colocated,
             prefill=[closed_port_url()] if dead_prefill else [*first_prefill, *p_urls],
             decode=[closed_port_url()] if dead_decode else d_urls,
             port=0,
@@ -374,6 +377,35 @@ async def test_equal_loads_spread_requests_in_turn_over_prefill_and_decode_serve
     for fake in decode:  # each decode got the params of the prefill it was paired with
         engines = [g.body["kv_transfer_params"]["remote_engine_id"] for g in fake.got]
         assert engines == ["p" + fake.name[1]] * 2
+
+
+@in_loop
+async def test_colocated_sends_each_request_whole_to_the_least_loaded_server_in_turn() -> None:
+    servers = [FakeVllm("s0"), FakeVllm("s1")]
+    async with stack(decode=servers, colocated=True) as s:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 7}
+        answers = [(await s.post("/v1/completions", body))[1] for _ in range(4)]
+        async with s.client.post(s.url + "/v1/completions", json={**body, "stream": True}) as resp:
+            events = await read_events(resp, lambda: None)
+        async with s.client.get(s.url + "/health") as resp:
+            status, health = resp.status, await resp.json()
+    assert [a["by"] for a in answers] == ["s0", "s1", "s0", "s1"]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2", "t3"]
+    got = [g for server in servers for g in server.got if g.path == "/v1/completions"]
+    assert len(got) == 5
+    for g in got:  # untouched: no prefill cut, no hand-off params
+        assert g.body["max_tokens"] == 7
+        assert "kv_transfer_params" not in g.body
+    assert status == 200
+    # The colocated servers are the decode pool: they decode (and prefill) whole requests.
+    assert [u["role"] for u in health["upstreams"]] == ["decode", "decode"]
+
+
+def test_config_refuses_prefill_servers_when_colocated() -> None:
+    with pytest.raises(ProxyConfigError, match=r"--prefill.*no prefill stage"):
+        config_from_flags(
+            colocated=True, prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"]
+        )
 
 
 # -- failures ----------------------------------------------------------------------

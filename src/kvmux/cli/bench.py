@@ -1,6 +1,8 @@
 """``kvmux bench``: each backend's save+load throughput beside its baseline, same run.
 
-``kvmux bench vllm`` measures inside real vLLM engines instead (:mod:`kvmux.bench.vllm`).
+``kvmux bench vllm`` measures inside real vLLM engines instead (:mod:`kvmux.bench.vllm`);
+``kvmux bench serve`` compares colocated serving with 1P1D under load
+(:mod:`kvmux.bench.serve`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "suite",
         nargs="?",
-        choices=("transfer", "multi", "vllm"),
+        choices=("transfer", "multi", "vllm", "serve"),
         default="transfer",
         help="transfer: backends beside memcpy/sockets (default); multi: compositions "
-        "beside their children; vllm: inside vLLM engines",
+        "beside their children; vllm: inside vLLM engines; serve: colocated vs 1P1D "
+        "vLLM serving under Poisson load (TTFT, ITL, goodput; ~20 min with the defaults)",
     )
     parser.add_argument("--prompts", type=int, default=4, help="vllm: prompts per round")
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="vllm: tokens per prompt")
@@ -33,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         action="append",
         metavar="NAME",
-        help="backend to measure (repeatable; default: every available connector)",
+        help="backend to measure (repeatable; default: every available connector; "
+        "serve: the 1P1D backend, shm or tcp, default shm)",
     )
     parser.add_argument(
         "--shape",
@@ -50,9 +54,95 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per figure (median)")
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    _add_serve_arguments(parser)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, got {text!r}"
+        ) from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",")) if text else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s own flags, defaults from :class:`~kvmux.bench.serve.settings.ServeSettings`;
+    its 1P1D backends come from ``--backend`` (default shm)."""
+    from kvmux.bench.serve.settings import ServeSettings
+
+    d = ServeSettings()
+    serve = parser.add_argument_group("serve")
+    serve.add_argument(
+        "--rates",
+        type=_floats,
+        default=d.rates,
+        help=f"serve: offered loads, req/s (default {_listed(d.rates)})",
+    )
+    serve.add_argument(
+        "--chunk-sizes",
+        type=_ints,
+        default=d.chunk_sizes,
+        help="serve: colocated prefill chunks, --max-num-batched-tokens "
+        f"(default {_listed(d.chunk_sizes)}; empty: no colocated runs)",
+    )
+    serve.add_argument(
+        "--duration-s",
+        type=float,
+        default=d.duration_s,
+        help=f"serve: seconds of Poisson arrivals per rate (default {d.duration_s:g})",
+    )
+    serve.add_argument("--seed", type=int, default=d.seed, help="serve: arrivals and prompts")
+    serve.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=d.mix.long_prompt_tokens,
+        help=f"serve: prompt of the long-prompt requests (default {d.mix.long_prompt_tokens})",
+    )
+    serve.add_argument(
+        "--long-output-tokens",
+        type=int,
+        default=d.mix.long_output_tokens,
+        help=f"serve: output of the long-output requests (default {d.mix.long_output_tokens})",
+    )
+    serve.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=d.slo.ttft_ms,
+        help=f"serve: goodput's bound on TTFT (default {d.slo.ttft_ms:g})",
+    )
+    serve.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=d.slo.itl_ms,
+        help=f"serve: goodput's bound on every token gap (default {d.slo.itl_ms:g})",
+    )
+    serve.add_argument(
+        "--no-crosscheck",
+        action="store_true",
+        help="serve: skip replaying one point with vLLM's serving benchmark",
+    )
+    serve.add_argument(
+        "--out", default="bench-serve", help="serve: output directory (default bench-serve/)"
+    )
+
+
+def _listed(values: Sequence[float]) -> str:
+    return ",".join(f"{v:g}" for v in values)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "serve":
+        return _run_serve(args)
     if args.suite == "vllm":
         return _run_vllm(args)
     if args.suite == "multi":
@@ -125,6 +215,40 @@ def _config_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from kvmux.bench.serve.metrics import Slo
+    from kvmux.bench.serve.run import run_serve
+    from kvmux.bench.serve.settings import ServeSettings
+    from kvmux.bench.serve.workload import RequestMix
+    from kvmux.errors import KvmuxError
+
+    try:
+        settings = ServeSettings(
+            rates=args.rates,
+            chunk_sizes=args.chunk_sizes,
+            backends=tuple(args.backend) if args.backend else ("shm",),
+            duration_s=args.duration_s,
+            seed=args.seed,
+            mix=RequestMix(
+                long_prompt_tokens=args.long_prompt_tokens,
+                long_output_tokens=args.long_output_tokens,
+            ),
+            slo=Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms),
+            crosscheck=not args.no_crosscheck,
+        )
+    except ValidationError as exc:
+        raise KvmuxError(f"invalid kvmux bench serve settings: {exc}") from None
+    out = Path(args.out)
+    report = run_serve(settings, out, progress=lambda msg: print(f"... {msg}", file=sys.stderr))
+    print((out / "summary.md").read_text())
+    print(f"results: {out / 'results.json'}, summary: {out / 'summary.md'}")
+    return 0 if report.runs else 1
 
 
 def _available_connectors() -> list[str]:

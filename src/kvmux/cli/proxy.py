@@ -16,9 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
-        help="base URL of a prefill vLLM server, e.g. http://127.0.0.1:8100 (repeat for more)",
+        help="base URL of a prefill vLLM server, e.g. http://127.0.0.1:8100 (repeat for more; "
+        "needed unless --colocated)",
     )
     parser.add_argument(
         "--decode",
@@ -26,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="URL",
         help="base URL of a decode vLLM server, e.g. http://127.0.0.1:8200 (repeat for more)",
+    )
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill stage: send each request whole to the least loaded --decode server "
+        "(colocated serving behind the same front end as P/D)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks one")
@@ -60,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             f"kvmux proxy needs aiohttp ({exc}); install it with: pip install 'kvmux[proxy]'"
         ) from exc
     config = config_from_flags(
+        colocated=args.colocated,
         prefill=args.prefill,
         decode=args.decode,
         host=args.host,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,7 +92,8 @@ class VllmServer:
     ``start`` returns at once, so several servers start side by side (their
     start-up is mostly single-threaded Python imports); ``wait_ready`` then
     blocks until ``GET /health`` answers. As a context manager it starts,
-    waits, and always stops.
+    waits, and always stops. ``cpus`` pins the whole server (``taskset``) and
+    its OpenMP threads to those cores.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class VllmServer:
         log_dir: str | os.PathLike[str],
         env: Mapping[str, str] | None = None,
         port: int | None = None,
+        cpus: Sequence[int] = (),
     ) -> None:
         self.name = name
         self.model = str(model)
@@ -110,12 +113,20 @@ class VllmServer:
         self.port = port if port is not None else free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_dir) / f"{name}.log"
-        self.env = {**os.environ, **ENGINE_ENV, **SERVER_ENV, **(env or {})}
+        self.cpus = tuple(cpus)
+        self.env = {
+            **os.environ,
+            **ENGINE_ENV,
+            **SERVER_ENV,
+            **pinned_env(self.cpus),
+            **(env or {}),
+        }
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def command(self) -> list[str]:
         return [
+            *taskset_prefix(self.cpus),
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -243,6 +254,35 @@ class VllmServer:
 
     def __repr__(self) -> str:
         return f"VllmServer({self.name!r}, {self.url}, pid={self.pid})"
+
+
+def taskset_prefix(cpus: Sequence[int]) -> list[str]:
+    """``taskset -c 0,1`` in front of a command: it and every process it starts stay
+    on those cores (nothing when ``cpus`` is empty)."""
+    if not cpus:
+        return []
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise ServerError(
+            f"pinning a server to cores {list(cpus)} needs taskset (util-linux), "
+            "which is not on PATH"
+        )
+    return [taskset, "-c", ",".join(str(c) for c in cpus)]
+
+
+def pinned_env(cpus: Sequence[int]) -> dict[str, str]:
+    """vLLM-CPU's OpenMP threads on exactly the pinned cores, one thread each.
+
+    ``OMP_NUM_THREADS`` sizes torch's pool to the pinned cores (unset, it may
+    start one thread per core of the machine, which then fight over the pinned
+    ones); ``VLLM_CPU_OMP_THREADS_BIND`` names the same cores for when vLLM binds
+    threads itself (its multiprocess executor), instead of ``auto`` picking
+    cores that may lie outside the ``taskset`` mask.
+    """
+    if not cpus:
+        return {}
+    listed = ",".join(str(c) for c in cpus)
+    return {"VLLM_CPU_OMP_THREADS_BIND": listed, "OMP_NUM_THREADS": str(len(cpus))}
 
 
 def _signal_group(group: int, sig: signal.Signals) -> None:

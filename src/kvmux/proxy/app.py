@@ -2,6 +2,9 @@
 
 The proxy adds no protocol of its own (see :mod:`kvmux.proxy.handoff`), so it
 works in front of any vLLM KV connector that follows vLLM's P/D convention.
+Configured ``colocated``, it has no prefill stage and sends each request whole
+to the next server: the same front end for colocated serving, so the two can
+be compared with nothing else changed (``kvmux bench serve`` does).
 It must never be the reason a client hangs or waits longer than it has to:
 
 * every client request has one deadline (``timeout_s``) shared by its prefill
@@ -119,7 +122,8 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = UpstreamPool("prefill", config.prefill)
+        #: None when colocated: no prefill stage, requests go whole to ``decode``'s servers.
+        self.prefill = UpstreamPool("prefill", config.prefill) if config.prefill else None
         self.decode = UpstreamPool("decode", config.decode)
         self.prefixes = PrefixRoutes(config.prefix_routes) if config.prefix_routes else None
         self._session: aiohttp.ClientSession | None = None
@@ -145,6 +149,11 @@ class Proxy:
                 with contextlib.suppress(asyncio.CancelledError):
                     await probes
                 self._session = None
+
+    @property
+    def pools(self) -> tuple[UpstreamPool, ...]:
+        """The pools in the order a request uses them (no prefill pool when colocated)."""
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -183,7 +192,7 @@ class Proxy:
         Each check also updates the pools: a failing upstream is taken out, a
         passing one is put back, so routing follows what ``/health`` just saw.
         """
-        upstreams = [*self.prefill.all(), *self.decode.all()]
+        upstreams = [u for pool in self.pools for u in pool.all()]
         problems = await asyncio.gather(*(self._probe(u) for u in upstreams))
         report = [
             {
@@ -205,7 +214,7 @@ class Proxy:
         without asking any of them."""
         return web.json_response(
             {
-                "prefill": self.prefill.report(),
+                "prefill": self.prefill.report() if self.prefill is not None else None,
                 "decode": self.decode.report(),
                 "prefix_routes": len(self.prefixes) if self.prefixes is not None else None,
             }
@@ -227,17 +236,19 @@ class Proxy:
         to_prefill = prefill_body(body)
         try:
             self._check_pools(request_id)  # no prefill for a request no decode can take
-            payload = await self._call(
-                self.prefill,
-                request,
-                route,
-                keys,
-                lambda u: self._exchange("POST", u, path, to_prefill, headers, deadline),
-            )
-            params = kv_params_from(_json_or_none(payload.body))
-            if params is None and route.prefill is not None:
-                self._warn_no_params(route.prefill)
-            out = decode_body(body, endpoint, params)
+            out = body
+            if self.prefill is not None:
+                payload = await self._call(
+                    self.prefill,
+                    request,
+                    route,
+                    keys,
+                    lambda u: self._exchange("POST", u, path, to_prefill, headers, deadline),
+                )
+                params = kv_params_from(_json_or_none(payload.body))
+                if params is None and route.prefill is not None:
+                    self._warn_no_params(route.prefill)
+                out = decode_body(body, endpoint, params)
             answer: web.StreamResponse
             if wants_stream(body):
                 answer = await self._call(
@@ -413,7 +424,7 @@ class Proxy:
         return headers
 
     def _check_pools(self, request_id: str) -> None:
-        for pool in (self.prefill, self.decode):
+        for pool in self.pools:
             try:
                 pool.check_any()
             except NoHealthyUpstream as exc:
@@ -424,7 +435,10 @@ class Proxy:
         return _Answer(error_response(503, message, "no_healthy_upstream", request_id))
 
     def _pool(self, role: Role) -> UpstreamPool:
-        return self.prefill if role == "prefill" else self.decode
+        if role == "prefill":
+            assert self.prefill is not None, "a colocated proxy has no prefill upstreams"
+            return self.prefill
+        return self.decode
 
     def _unusable(self, upstream: Upstream, exc: BaseException, request_id: str) -> _Answer:
         """The answer for a call to ``upstream`` that failed with ``exc``. It may go to
@@ -452,7 +466,7 @@ class Proxy:
         """Every ``probe_interval_s``: put back the upstreams out of rotation that answer."""
         while True:
             await asyncio.sleep(self.config.probe_interval_s)
-            down = [*self.prefill.out_of_rotation(), *self.decode.out_of_rotation()]
+            down = [u for pool in self.pools for u in pool.out_of_rotation()]
             await asyncio.gather(*(self._probe(u) for u in down))
 
     async def _probe(self, upstream: Upstream) -> str | None:

@@ -17,6 +17,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -46,11 +48,21 @@ class ProxyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    colocated: bool = Field(
+        False,
+        description="no prefill stage: each request goes whole to the least loaded --decode server "
+        "(colocated serving, e.g. to compare it with P/D behind the same front end)",
+    )
     prefill: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the prefill vLLM servers (least loaded first)"
+        default_factory=list,
+        validate_default=True,
+        description="base URLs of the prefill vLLM servers (least loaded first); "
+        "none when colocated",
     )
     decode: list[UpstreamUrl] = Field(
-        min_length=1, description="base URLs of the decode vLLM servers (least loaded first)"
+        min_length=1,
+        description="base URLs of the decode vLLM servers (least loaded first); when colocated, "
+        "the servers that answer whole requests",
     )
     host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on; 0 picks a free one")
@@ -71,6 +83,17 @@ class ProxyConfig(BaseModel):
     max_body_bytes: int = Field(
         64 * 2**20, gt=0, description="largest client request body (long prompts are big)"
     )
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_matches_mode(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        """P/D needs a prefill server; colocated serving has no prefill stage to send to."""
+        colocated = info.data.get("colocated", False)
+        if colocated and urls:
+            raise ValueError("colocated serving has no prefill stage: leave --prefill out")
+        if not colocated and not urls:
+            raise ValueError("at least one prefill server is needed (or --colocated)")
+        return urls
 
     @model_validator(mode="after")
     def _distinct_urls(self) -> ProxyConfig:
