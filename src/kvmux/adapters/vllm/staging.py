@@ -85,15 +85,16 @@ class StagedLoads:
     ) -> Handle:
         """Fill ``block_ids`` with this rank's heads of the blocks ``keys`` names, taken
         from each overlapping prefill rank (``sources[rank]``: its address, or None for
-        a shared store). Raises ValueError when the heads cannot be mapped."""
+        a shared store). Raises ValueError when the heads cannot be mapped, or what
+        making a staging connector raised; nothing is left taken then."""
         slices = head_slices(
             self.total_heads, producer_size, self._model.tp_size, self._model.tp_rank
         )
+        stages = [self._stage(producer_size, part.producer_rank) for part in slices]
         keys = tuple(keys)
         result: Future[TransferResult] = Future()
         parts: list[tuple[HeadSlice, _Stage, list[int], Handle]] = []
-        for part in slices:
-            stage = self._stage(producer_size, part.producer_rank)
+        for part, stage in zip(slices, stages, strict=True):
             staged = self._take(stage, len(block_ids))
             suffix = rank_suffix(part.producer_rank, producer_size)
             rank_keys = [BlockKey(k.digest, k.namespace + suffix) for k in keys]
@@ -204,13 +205,10 @@ class StagedLoads:
         return stage
 
     def _take(self, stage: _Stage, count: int) -> list[int]:
-        """Staging blocks for one load; there are as many as engine blocks, and no more
-        engine blocks than that can be loading at once."""
+        """Staging blocks for one load. There are as many as engine blocks, and no more
+        engine blocks than that are ever loading at once, so some are always free."""
         with self._lock:
-            if len(stage.free) < count:
-                raise LayoutError(
-                    f"staging buffer short: {count} blocks wanted, {len(stage.free)} free"
-                )
+            assert len(stage.free) >= count, f"{count} staging blocks wanted, {len(stage.free)}"
             taken, stage.free[:] = stage.free[:count], stage.free[count:]
             return taken
 

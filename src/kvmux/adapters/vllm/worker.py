@@ -158,8 +158,9 @@ class WorkerSide:
             return Handle.completed(keys, [reason] * len(keys))
         try:
             return self._staged.load(keys, transfer.block_ids, producer_size, sources)
-        except ValueError as exc:
-            return Handle.completed(keys, [failed(str(exc))] * len(keys))
+        except Exception as exc:  # heads that do not map, a staging connector that failed
+            reason = failed(f"mapping prefill TP={producer_size} to TP={size}: {exc}")
+            return Handle.completed(keys, [reason] * len(keys))
 
     def _notify(
         self, notices: list[LeaseNotice], method: Literal["renew", "unpublish"], counter: str
