@@ -10,6 +10,7 @@ fails there.
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,18 @@ def test_every_prefill_rank_releases_its_publication_once_the_decode_loaded(engi
     assert [w.stats()["published_leases"] for w in ranks] == [0, 0]
     assert [w.connector.stats()["pinned_blocks"] for w in ranks] == [0, 0]
     assert consumer.worker.worker_side.stats()["lease_releases_sent"] == 2  # one per rank
+
+
+def test_a_decode_on_a_fixed_port_pulls_foreign_ranks_from_free_ports(engines, model_dir):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    producer = FakeEngine(model_dir, {"backend": "tcp"}, role="kv_producer", tp_size=2)
+    fixed = {"backend": "tcp", "port": port}
+    consumer = FakeEngine(model_dir, fixed, role="kv_consumer")
+    _pd(engines, producer, consumer)
+    assert consumer.worker.worker_side.address()["port"] == port
+    assert consumer.worker.worker_side.stats()["load_blocks_ok"] == 8
 
 
 def test_a_decode_of_another_block_size_computes_locally_naming_the_block_size(

@@ -194,7 +194,7 @@ class StagedLoads:
         layout = KVLayout.from_caches(
             caches, self._layout.block_size, first.block_dim, first.dims, model
         )
-        connector = create_connector(self._backend)
+        connector = create_connector(_puller_config(self._backend))
         connector.register(layout, caches)
         stage = _Stage(connector, caches, list(range(layout.num_blocks)))
         with self._lock:
@@ -226,6 +226,14 @@ class StagedLoads:
         for stage in self._stages.values():
             stage.connector.close()
         self._stages.clear()
+
+
+def _puller_config(config: BackendConfig) -> BackendConfig:
+    """A staging connector only pulls: the engine's own connector has the configured
+    listening port, so this one takes any free port (0) rather than collide."""
+    if getattr(config, "port", 0):
+        return config.model_copy(update={"port": 0})
+    return config
 
 
 class _StagedHandle(Handle):

@@ -75,7 +75,6 @@ class WorkerSide:
         self.key_suffix = key_suffix
         self.model = model
         """Declared on the registered layout: P2P peers compare it at the handshake."""
-        self.backend = backend
         self.connector: Connector = create_connector(backend)
         self._staged: StagedLoads | None = None
         """Loads from a prefill of another TP size (made at ``register``, when heads map)."""
@@ -96,7 +95,7 @@ class WorkerSide:
         self.connector.register(layout, views)
         tp_size = self.model.tp_size if self.model is not None else 1
         if self.model is not None and layout.layers[0].dims is not None:
-            self._staged = StagedLoads(self.backend, layout, views, self.model)
+            self._staged = StagedLoads(self.connector.config, layout, views, self.model)
         if tp_size == 1:  # the scheduler may ask the only worker directly (``live``)
             live.publish(self.engine_id, self)
 
