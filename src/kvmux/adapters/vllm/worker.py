@@ -8,6 +8,11 @@ for a consumer that never comes, until the lease ends and the backend has been
 told to release them. A P/D prefill's saved blocks are then published (held by
 the backend for the consumer); the scheduler's renew and release notices for
 publications are passed to the backend as they come, never waited on.
+
+Each tensor-parallel rank has its own WorkerSide, holding its own heads under
+its own keys. A load from a prefill of the same TP size reads the prefill rank
+of this rank's number; from another TP size, the head slices of every prefill
+rank that holds some of this rank's heads (``staging``).
 """
 
 from __future__ import annotations
