@@ -1,4 +1,4 @@
-"""Real vLLM engines of different tensor-parallel sizes: P/D tokens equal one TP=1 instance.
+"""Real vLLM engines of different TP sizes or block sizes: P/D tokens equal one TP=1 instance.
 
 A TP=2 engine runs vLLM's multiprocessing executor, one worker process per
 rank, each with its own kvmux connector (its own server for P2P backends)
@@ -6,7 +6,8 @@ holding one of the tiny model's two KV heads. The prefill's params carry both
 ranks' addresses; a TP=1 decode takes a head from each prefill rank, and each
 rank of a TP=2 decode takes its head out of the TP=1 prefill's blocks.
 Counters come from every rank (``LLM.collective_rpc``), so a decode that
-recomputed instead of loading fails on them, not only on tokens.
+recomputed instead of loading fails on them, not only on tokens. A decode of
+another block size is refused (kvmux keys are per block) and computes.
 """
 
 from __future__ import annotations
@@ -71,3 +72,26 @@ def test_pd_between_tp_sizes_gives_the_tokens_of_a_single_tp1_instance(tp_pair, 
     for stats in ranks:
         assert stats["load_blocks_ok"] == LOADED_BLOCKS * slices
         assert stats.get("load_blocks_failed", 0) == stats.get("load_blocks_missing", 0) == 0
+
+
+def test_a_decode_of_another_block_size_computes_locally_naming_it(model, reference):
+    """vLLM runs a prefill and a decode of different block sizes; kvmux keys blocks of
+    ``block_size`` tokens, so it refuses, in one line, and the decode computes."""
+    backend = {"backend": "tcp"}
+    producer = EngineProcess(spec(model, backend, "kv_producer"), wait=False)
+    consumer = EngineProcess(spec(model, backend, "kv_consumer", block_size=64), wait=False)
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        decoded = consumer.generate(PROMPTS, MAX_TOKENS, prefill(producer))
+        assert tokens(decoded) == reference
+        refusals = [
+            line
+            for line in consumer.log_tail(400).splitlines()
+            if "block_size differs: the prefill's is 128, this decode's 64" in line
+        ]
+        assert len(refusals) == len(PROMPTS)
+        assert "load_calls" not in consumer.call("stats")["stats"]
+    finally:
+        producer.stop()
+        consumer.stop()
