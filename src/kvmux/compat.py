@@ -32,7 +32,9 @@ class ModelInfo(BaseModel):
     adapter's ``namespace`` when one is set, since that declares two differently
     named copies to be one model); ``dtype`` is the dtype it computes in;
     ``tp_rank`` of ``tp_size`` is the tensor-parallel shard whose heads the
-    memory holds (a consumer's rank reads the producer's rank of the same number).
+    memory holds. Connectors exchange blocks only between equal shards; the vLLM
+    adapter maps heads between TP sizes above them (a decode rank reads foreign
+    shards through connectors that declare those shards).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -52,6 +52,9 @@ class EngineSpec(BaseModel):
     max_num_seqs: int = 4
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="above 1: vLLM's multiprocessing executor, one process per rank"
+    )
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_transfer_config: dict[str, Any] | None = None
@@ -198,6 +201,9 @@ def _serve(spec: EngineSpec) -> None:  # pragma: no cover - runs in the child pr
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.block_size is not None:
         kwargs["block_size"] = spec.block_size
+    if spec.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "mp"
     llm = LLM(
         model=spec.model,
         dtype=spec.dtype,
@@ -253,7 +259,10 @@ def _handle(llm: Any, op: str, cmd: dict[str, Any], sampling: Any, tokens: Any) 
         return {"ok": bool(llm.reset_prefix_cache())}
     if op == "stats":
         worker = _worker()
-        return {"stats": worker.stats() if worker is not None else {}}
+        if worker is not None:
+            return {"stats": worker.stats(), "ranks": [worker.stats()]}
+        ranks = llm.collective_rpc(_rank_stats)  # TP > 1: each rank in its own process
+        return {"stats": _added(ranks), "ranks": ranks}
     if op == "corrupt_loads":
         from kvmux.testing.faults import CorruptBytes
 
@@ -394,6 +403,20 @@ def _worker() -> Any:
     if not has_kv_transfer_group():
         return None
     return getattr(get_kv_transfer_group(), "worker_side", None)
+
+
+def _rank_stats(_: Any) -> dict[str, float]:  # pragma: no cover - runs in a vLLM worker
+    """One TP rank's kvmux counters (called there through ``LLM.collective_rpc``)."""
+    worker = _worker()
+    return dict(worker.stats()) if worker is not None else {}
+
+
+def _added(ranks: Sequence[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for stats in ranks:
+        for name, value in stats.items():
+            total[name] = total.get(name, 0) + value
+    return total
 
 
 def _worker_address() -> dict[str, Any] | None:

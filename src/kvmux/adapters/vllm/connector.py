@@ -28,6 +28,7 @@ from kvmux.adapters.vllm.keys import default_namespace, model_info
 from kvmux.adapters.vllm.metadata import KvmuxMetadata
 from kvmux.adapters.vllm.scheduler import SchedulerSide
 from kvmux.adapters.vllm.stats import KvmuxPromMetrics, KvmuxStats
+from kvmux.adapters.vllm.tensor_parallel import rank_suffix
 from kvmux.adapters.vllm.worker import WorkerSide
 
 log = logging.getLogger("kvmux.vllm")
@@ -60,6 +61,7 @@ class KvmuxConnector(KVConnectorBase_V1):
                 can_load=bool(transfer.is_kv_consumer),
                 can_save=bool(transfer.is_kv_producer),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                kv_heads=_kv_heads(vllm_config),
             )
         else:
             self._worker = WorkerSide(
@@ -158,9 +160,13 @@ class KvmuxConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        first = metadata.get(0)
-        if isinstance(first, KvmuxHandshake):
-            self.scheduler_side.set_worker_address(first.address)
+        """Every TP rank's address, by rank: a decode of any TP size reads each rank's heads."""
+        addresses = [
+            meta.address if isinstance(meta, KvmuxHandshake) else None
+            for _, meta in sorted(metadata.items())
+        ]
+        if addresses:
+            self.scheduler_side.set_worker_addresses(addresses)
 
     def on_new_request(self, request: Any) -> None:
         self.scheduler_side.new_request(request)
@@ -194,9 +200,16 @@ class KvmuxConnector(KVConnectorBase_V1):
 
 def _tensor_parallel_suffix(vllm_config: Any) -> str:
     size = vllm_config.parallel_config.tensor_parallel_size
-    if size <= 1:
-        return ""
-    return f"/tp{_tensor_parallel_rank(vllm_config)}of{size}"
+    return rank_suffix(_tensor_parallel_rank(vllm_config), size)
+
+
+def _kv_heads(vllm_config: Any) -> int | None:
+    """All ranks' KV heads together (None when vLLM cannot say: no mapping between TP sizes)."""
+    try:
+        heads = vllm_config.model_config.get_total_num_kv_heads()
+    except Exception:  # a model config without attention heads
+        return None
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def _tensor_parallel_rank(vllm_config: Any) -> int:

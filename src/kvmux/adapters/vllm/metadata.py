@@ -22,6 +22,11 @@ class BlockTransfer:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     source: dict[str, Any] | None = None
+    """The producer's address (rank 0's, for a producer of several TP ranks)."""
+    sources: tuple[dict[str, Any] | None, ...] | None = None
+    """A load: every producer TP rank's address, by rank (None: only ``source`` is known)."""
+    producer_tp_size: int | None = None
+    """A load: the producer's TP size, when it is not this engine's (heads are mapped)."""
     publish: bool = False
     """The save that completes a P/D prefill: vLLM returns the request's params right
     after this step, so every save of the request must have ended by then."""

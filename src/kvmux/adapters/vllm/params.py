@@ -12,7 +12,7 @@ From NixlConnector's set, kvmux leaves out ``remote_blocks_expiry_time`` (a
 time on the producer's own monotonic clock, meaningless to anyone else; kvmux
 holds blocks for its ``lease_s``), ``transfer_mode`` (it selects
 NixlConnector's own code path) and ``dcp_size``/``pp_size`` (kvmux keys
-blocks per tensor-parallel rank only).
+blocks per tensor-parallel rank only; pipeline parallelism is not supported).
 """
 
 from __future__ import annotations
@@ -35,7 +35,16 @@ class Published(BaseModel):
     source: dict[str, Any] | None = Field(
         None, description="the producer connector's address(); None for shared stores"
     )
+    sources: list[dict[str, Any] | None] | None = Field(
+        None,
+        max_length=1024,
+        description="every producer tensor-parallel rank's address, by rank (each rank "
+        "serves its own heads); None for TP=1, where ``source`` is the only one",
+    )
     namespace: str
+    block_size: int | None = Field(
+        None, ge=1, description="the producer's tokens per block: kvmux keys are per block"
+    )
     num_tokens: int = Field(ge=1, description="prompt tokens whose KV was published")
     last_key: str = Field(
         description="id of the key of the last published block: the consumer recomputes "
@@ -101,17 +110,32 @@ def published_mismatch(
     namespace: str,
     keys: list[BlockKey],
     own_address: Mapping[str, Any] | None,
+    block_size: int | None = None,
 ) -> str | None:
     """Why the published KV is not this request's (None: it is), for one log line.
 
     Another model shows as another namespace; when both sides' P2P addresses carry
     their compatibility fingerprints, the field that differs is named instead of
-    the two namespace hashes."""
+    the two namespace hashes. A different block size is named first: kvmux keys
+    chain over blocks of ``block_size`` tokens, so no key of one size names a block
+    of another. The tensor-parallel shard is not compared here: the adapter maps
+    heads between TP sizes (``tensor_parallel``)."""
+    if block_size is not None and published.block_size not in (None, block_size):
+        return (
+            f"block_size differs: the prefill's is {published.block_size}, this decode's "
+            f"{block_size}; kvmux exchanges KV only between equal block sizes"
+        )
     if published.namespace == namespace:
         if published_key_matches(published, keys):
             return None
         return "its last block's key is not this prompt's: other tokens"
-    diff = difference(Compat.in_address(published.source), Compat.in_address(own_address))
+    diff = difference(
+        _unsharded(Compat.in_address(published.source)), _unsharded(Compat.in_address(own_address))
+    )
     if diff is not None:
         return f"another model: {diff}"
     return f"another model or request namespace: {published.namespace} vs {namespace}"
+
+
+def _unsharded(compat: Compat | None) -> Compat | None:
+    return compat.model_copy(update={"tp_size": None, "tp_rank": None}) if compat else None

@@ -19,6 +19,7 @@ connector, in the next step's metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.keys import RequestKeys, request_namespace
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata, LeaseNotice
 from kvmux.adapters.vllm.params import Published, TransferParams, published_mismatch
+from kvmux.adapters.vllm.tensor_parallel import mapping_note
 from kvmux.config import BackendConfig
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey
@@ -55,7 +57,8 @@ class _Tracked:
     load_blocks: frozenset[int] = frozenset()
     load_failed: bool = False
     """A load of this request lost blocks: vLLM recomputes them; asking again would loop."""
-    remote: tuple[Published, list[BlockKey]] | None = None
+    remote: tuple[Published, list[BlockKey], int] | None = None
+    """The publication to load, this request's keys, the producer's TP size."""
     lease: str | None = None
     """The publication its prompt's blocks are held under (a P/D prefill)."""
 
@@ -64,7 +67,8 @@ class _Tracked:
 class _Awaited:
     """A publication a decode request was given: renewed until it is released."""
 
-    notice: LeaseNotice
+    notices: list[LeaseNotice]
+    """One per producer rank: each holds its own heads' blocks under the lease."""
     renew_every: float
     renew_at: float
     released: bool = False
@@ -91,9 +95,13 @@ class SchedulerSide:
         can_load: bool,
         can_save: bool,
         tp_size: int = 1,
+        kv_heads: int | None = None,
     ) -> None:
         self.backend = backend
         self.tp_size = tp_size
+        self.kv_heads = kv_heads
+        """The model's KV heads (all ranks'): whether another TP size's KV can be mapped."""
+        self._mappings_logged: set[int] = set()
         self.options = options
         self.engine_id = engine_id
         self.namespace = namespace
@@ -105,13 +113,16 @@ class SchedulerSide:
         self._next = KvmuxMetadata()
         self._kv_cache_manager: Any = None
         self._address: dict[str, Any] | None = None
+        self._addresses: list[dict[str, Any] | None] = []
         self._own: Connector | None = None
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
-    def set_worker_address(self, address: dict[str, Any] | None) -> None:
-        self._address = address
+    def set_worker_addresses(self, addresses: list[dict[str, Any] | None]) -> None:
+        """Every worker's ``address()``, by TP rank (from vLLM's handshake metadata)."""
+        self._addresses = list(addresses)
+        self._address = self._addresses[0] if self._addresses else None
 
     # ------------------------------------------------------------ publications
 
@@ -132,21 +143,22 @@ class SchedulerSide:
         if published is None or published.lease is None:
             return None
         every = (published.lease_s or self.options.lease_s) / RENEWALS_PER_LEASE
-        notice = LeaseNotice(published.lease, published.source)
-        return _Awaited(notice, every, time.monotonic() + every)
+        sources = published.sources or [published.source]
+        notices = [LeaseNotice(published.lease, source) for source in sources]
+        return _Awaited(notices, every, time.monotonic() + every)
 
     def _release(self, req_id: str) -> None:
         """Nothing will load this request's publication any more: tell the producer."""
         awaited = self._awaited.get(req_id)
         if awaited is not None and not awaited.released:
             awaited.released = True
-            self._next.unpublish.append(awaited.notice)
+            self._next.unpublish.extend(awaited.notices)
 
     def _renewals(self, meta: KvmuxMetadata) -> None:
         now = time.monotonic()
         for awaited in self._awaited.values():
             if not awaited.released and now >= awaited.renew_at:
-                meta.renew.append(awaited.notice)
+                meta.renew.extend(awaited.notices)
                 awaited.renew_at = now + awaited.renew_every
 
     def has_pending_notices(self) -> bool:
@@ -192,7 +204,9 @@ class SchedulerSide:
             )
             return 0, False
         keys = tracked.keys.upto(request.prompt_token_ids, published.num_tokens)
-        why = published_mismatch(published, tracked.keys.namespace, keys, self._worker_address())
+        why = published_mismatch(
+            published, tracked.keys.namespace, keys, self._worker_address(), self.block_size
+        )
         if why is not None:
             log.warning(
                 "kvmux: request %s: the prefill's KV is not this request's (%s); computing locally",
@@ -200,11 +214,39 @@ class SchedulerSide:
                 why,
             )
             return 0, False
+        why = self._tensor_parallel_mismatch(params.tp_size or 1)
+        if why is not None:
+            log.warning(
+                "kvmux: request %s: the prefill's KV cannot be mapped to this decode (%s); "
+                "computing locally",
+                request.request_id,
+                why,
+            )
+            return 0, False
         count = published.num_tokens - num_computed
         if count <= 0:
             return 0, False
-        tracked.remote = (published, keys)
+        tracked.remote = (published, keys, params.tp_size or 1)
         return count, True
+
+    def _tensor_parallel_mismatch(self, producer_size: int) -> str | None:
+        """Why a prefill of ``producer_size`` TP ranks cannot fill this engine's heads
+        (None: it can; a new mapping is logged once, naming which heads go where)."""
+        if producer_size == self.tp_size:
+            return None
+        if self.kv_heads is None:
+            return (
+                f"tp_size differs: the prefill's is {producer_size}, this decode's "
+                f"{self.tp_size}, and the model's KV head count is unknown here"
+            )
+        try:
+            note = mapping_note(self.kv_heads, producer_size, self.tp_size)
+        except ValueError as exc:
+            return f"tp_size differs and heads cannot be sliced: {exc}"
+        if producer_size not in self._mappings_logged:
+            self._mappings_logged.add(producer_size)
+            log.info("kvmux: mapping KV heads between TP sizes: %s", note)
+        return None
 
     def _local_match(self, request: Any, tracked: _Tracked, num_computed: int) -> tuple[int, bool]:
         first = num_computed // self.block_size
@@ -260,16 +302,20 @@ class SchedulerSide:
         local_tokens = tracked.local_hit * bs
         first, last = tracked.local_hit, -(-(local_tokens + num_external) // bs)
         block_ids = blocks.get_block_ids()[0][first:last]
-        source: dict[str, Any] | None = None
+        transfer = BlockTransfer(request.request_id, (), tuple(block_ids))
         if tracked.remote is not None:
-            published, all_keys = tracked.remote
-            keys = all_keys[first:last]
-            source = published.source
+            published, all_keys, producer_size = tracked.remote
+            transfer = dataclasses.replace(
+                transfer,
+                keys=tuple(all_keys[first:last]),
+                source=published.source,
+                sources=tuple(published.sources) if published.sources else None,
+                producer_tp_size=producer_size if producer_size != self.tp_size else None,
+            )
         else:
             keys = tracked.keys.full(request.all_token_ids, last)[first:last]
-        self._next.loads.append(
-            BlockTransfer(request.request_id, tuple(keys), tuple(block_ids), source)
-        )
+            transfer = dataclasses.replace(transfer, keys=tuple(keys))
+        self._next.loads.append(transfer)
         tracked.saved = (local_tokens + num_external) // bs
         tracked.loading = True
         tracked.load_blocks = frozenset(block_ids)
@@ -386,7 +432,9 @@ class SchedulerSide:
             kvmux=Published(
                 backend=self.backend.backend,
                 source=address,
+                sources=self._rank_addresses(),
                 namespace=tracked.keys.namespace,
+                block_size=self.block_size,
                 num_tokens=n,
                 last_key=keys[-1].id,
                 lease=tracked.lease,
@@ -404,6 +452,13 @@ class SchedulerSide:
         if self._address is None and (worker := live.find(self.engine_id)) is not None:
             return worker.address()
         return self._address
+
+    def _rank_addresses(self) -> list[dict[str, Any] | None] | None:
+        """Every TP rank's address, for a decode to reach each rank's heads (None for
+        one rank, or a shared store: no addresses)."""
+        if len(self._addresses) > 1 and any(a is not None for a in self._addresses):
+            return list(self._addresses)
+        return None
 
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)

@@ -8,6 +8,11 @@ for a consumer that never comes, until the lease ends and the backend has been
 told to release them. A P/D prefill's saved blocks are then published (held by
 the backend for the consumer); the scheduler's renew and release notices for
 publications are passed to the backend as they come, never waited on.
+
+Each tensor-parallel rank has its own WorkerSide, holding its own heads under
+its own keys. A load from a prefill of the same TP size reads the prefill rank
+of this rank's number; from another TP size, the head slices of every prefill
+rank that holds some of this rank's heads (``staging``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,12 +30,13 @@ from kvmux.adapters.vllm import live
 from kvmux.adapters.vllm.config import AdapterOptions
 from kvmux.adapters.vllm.metadata import BlockTransfer, KvmuxMetadata, LeaseNotice
 from kvmux.adapters.vllm.save_failures import SaveFailureLog
+from kvmux.adapters.vllm.staging import StagedLoads
 from kvmux.adapters.vllm.stats import worker_rank, worker_report
-from kvmux.compat import ModelInfo
+from kvmux.compat import Compat, ModelInfo
 from kvmux.config import BackendConfig
 from kvmux.connector import Address, Connector
 from kvmux.errors import LayoutError
-from kvmux.handle import Handle
+from kvmux.handle import Handle, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector
@@ -75,6 +81,8 @@ class WorkerSide:
         self.model = model
         """Declared on the registered layout: P2P peers compare it at the handshake."""
         self.connector: Connector = create_connector(backend)
+        self._staged: StagedLoads | None = None
+        """Loads from a prefill of another TP size (made at ``register``, when heads map)."""
         self._save_failures = SaveFailureLog(backend.backend)
         self._loads: dict[str, _Load] = {}
         self._saves: dict[str, _Saves] = {}
@@ -90,7 +98,11 @@ class WorkerSide:
         views, block_dim, dims = self._described(kv_caches)
         layout = KVLayout.from_caches(views, self.block_size, block_dim, dims, self.model)
         self.connector.register(layout, views)
-        live.publish(self.engine_id, self)
+        tp_size = self.model.tp_size if self.model is not None else 1
+        if self.model is not None and layout.layers[0].dims is not None:
+            self._staged = StagedLoads(self.connector.config, layout, views, self.model)
+        if tp_size == 1:  # the scheduler may ask the only worker directly (``live``)
+            live.publish(self.engine_id, self)
 
     def _described(
         self, kv_caches: Mapping[str, torch.Tensor]
@@ -127,26 +139,48 @@ class WorkerSide:
 
     def start_loads(self, meta: KvmuxMetadata) -> None:
         for transfer in meta.loads:
-            handle = self.connector.load(
-                self._keys(transfer.keys), transfer.block_ids, transfer.source
+            self._loads[transfer.req_id] = _Load(transfer, self._start_load(transfer))
+        self._notify(meta.renew, "renew", "lease_renewals_sent")
+        self._notify(meta.unpublish, "unpublish", "lease_releases_sent")
+
+    def _start_load(self, transfer: BlockTransfer) -> Handle:
+        """From the prefill rank of this rank's number, or, for a prefill of another TP
+        size, the head slices of every prefill rank holding some of this rank's heads."""
+        rank = self.model.tp_rank if self.model is not None else 0
+        size = self.model.tp_size if self.model is not None else 1
+        producer_size = transfer.producer_tp_size or size
+        sources = transfer.sources or (transfer.source,)
+        if producer_size == size:
+            source = sources[rank] if rank < len(sources) else transfer.source
+            return self.connector.load(self._keys(transfer.keys), transfer.block_ids, source)
+        keys = list(transfer.keys)
+        if self._staged is None:
+            reason = failed(
+                f"the prefill runs TP={producer_size}, this decode TP={size}, and the KV "
+                "layout does not say which dimension holds heads"
             )
-            self._loads[transfer.req_id] = _Load(transfer, handle)
-        self._notify(meta.renew, self.connector.renew, "lease_renewals_sent")
-        self._notify(meta.unpublish, self.connector.unpublish, "lease_releases_sent")
+            return Handle.completed(keys, [reason] * len(keys))
+        try:
+            return self._staged.load(keys, transfer.block_ids, producer_size, sources)
+        except Exception as exc:  # heads that do not map, a staging connector that failed
+            reason = failed(f"mapping prefill TP={producer_size} to TP={size}: {exc}")
+            return Handle.completed(keys, [reason] * len(keys))
 
     def _notify(
-        self,
-        notices: list[LeaseNotice],
-        send: Callable[[Sequence[str], Address | None], None],
-        counter: str,
+        self, notices: list[LeaseNotice], method: Literal["renew", "unpublish"], counter: str
     ) -> None:
-        """One call per producer; the backend sends in the background. A backend
-        that refuses is logged: the leases then end at their own time."""
+        """One call per producer rank this rank reads from; the backend sends in the
+        background. A backend that refuses is logged: the leases then end at their own
+        time."""
         by_source: dict[str, tuple[Address | None, list[str]]] = {}
         for notice in notices:
             where = json.dumps(notice.source, sort_keys=True)
             by_source.setdefault(where, (notice.source, []))[1].append(notice.lease)
         for source, leases in by_source.values():
+            connector = self._connector_to(source)
+            if connector is None:
+                continue
+            send: Callable[[Sequence[str], Address | None], None] = getattr(connector, method)
             try:
                 send(leases, source)
             except Exception as exc:  # a backend's bug must not end the engine's step
@@ -159,6 +193,21 @@ class WorkerSide:
                 )
                 continue
             self._count(counter, len(leases))
+
+    def _connector_to(self, source: Address | None) -> Connector | None:
+        """The connector that speaks to the producer rank at ``source``: this rank's own
+        for a producer of its TP shard (or one that declares none), the staging one for
+        a rank of another TP size it takes heads from; None for a rank it reads nothing
+        from (that rank's own consumer rank tells it)."""
+        compat = Compat.in_address(source)
+        if compat is None or compat.tp_size is None or self.model is None:
+            return self.connector
+        rank = compat.tp_rank or 0
+        if compat.tp_size == self.model.tp_size:
+            return self.connector if rank == self.model.tp_rank else None
+        if self._staged is None:
+            return None
+        return self._staged.connector_for(compat.tp_size, rank)
 
     def wait_for_preempted(self, meta: KvmuxMetadata) -> None:
         """Saves reading a preempted request's blocks must end before vLLM reuses them."""
@@ -283,7 +332,11 @@ class WorkerSide:
 
     def stats(self) -> dict[str, float]:
         """The backend's counters plus the adapter's own (load errors, expired leases)."""
-        return {**self.connector.stats(), **self._adapter_counts}
+        own = self.connector.stats()
+        staged = self._staged.stats() if self._staged is not None else {}
+        for name, value in staged.items():
+            own[name] = own.get(name, 0) + value
+        return {**own, **self._adapter_counts}
 
     def stats_delta(self) -> dict[str, Any]:
         """What changed since the last call (``stats.worker_report``): vLLM merges reports."""
@@ -308,4 +361,6 @@ class WorkerSide:
             for handle in saves.handles:
                 handle.wait(self.connector.config.timeout_s)
         live.withdraw(self.engine_id, self)
+        if self._staged is not None:
+            self._staged.close()
         self.connector.close()
