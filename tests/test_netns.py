@@ -1,0 +1,186 @@
+"""P2P backends between separate hosts: network namespaces this test creates itself.
+
+Each test builds a :class:`kvmux.testing.netns.Topology` (a producer host
+``p`` and a consumer host ``d`` on one switch, 10.x addresses, private
+``/dev/shm`` each), runs a :mod:`kvmux.testing.peer` in ``p`` bound to
+``0.0.0.0`` (so it must *advertise* its 10.x address) and a
+:mod:`kvmux.testing.pull` in ``d``, and removes everything when it ends.
+Needs root and iproute2: skipped, saying why, otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvmux.testing import netns
+from kvmux.testing.peer import spawn_peer
+
+from support import P2P_GRACE_S
+
+pytestmark = [
+    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
+    pytest.mark.timeout(180),
+]
+
+SEED = 11
+TIMEOUT_S = 6.0
+
+
+@pytest.fixture
+def net() -> Iterator[netns.Topology]:
+    with netns.topology("p", "d") as topology:
+        yield topology
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(h.netns in left for h in topology.hosts.values()), left
+
+
+def _served(backend: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "host": "0.0.0.0",
+        "timeout_s": TIMEOUT_S,
+        "capacity_bytes": 96 * 2**20,
+        **extra,
+    }
+
+
+def _pull(
+    host: netns.Host,
+    config: dict[str, Any],
+    source: dict[str, Any],
+    blocks: int,
+    layout: str = "small",
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "kvmux.testing.pull", "--config", json.dumps(config)]
+    argv += ["--source", json.dumps(source), "--blocks", str(blocks), "--seed", str(SEED)]
+    argv += ["--layout", layout]
+    done = subprocess.run(
+        host.command(argv), capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_a_topology_connects_its_hosts_and_leaves_nothing_behind() -> None:
+    with netns.topology("a", "b", "c") as net:
+        hosts = list(net.hosts.values())
+        assert len({h.address for h in hosts}) == 3
+        assert all(h.address.startswith("10.") for h in hosts)
+        sleeper = subprocess.Popen(hosts[0].command(["sleep", "600"]))
+        assert sleeper.pid in hosts[0].pids()
+        shm = hosts[1].run(["sh", "-c", "ls /dev/shm | wc -l"]).stdout.strip()
+        assert shm == "0", "a host's /dev/shm is its own"
+    sleeper.wait(timeout=10)  # close() stopped it by PID
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(h.netns in left for h in hosts)
+
+
+def test_a_wildcard_bound_server_advertises_its_reachable_address() -> None:
+    from kvmux.net.advertise import advertised_host
+
+    assert advertised_host("10.1.2.3", None) == "10.1.2.3"
+    assert advertised_host("0.0.0.0", "10.9.9.9") == "10.9.9.9"
+    with netns.topology("p") as net:
+        host = net["p"]
+        code = "from kvmux.net.advertise import first_host_address as f; print(f())"
+        assert host.run([sys.executable, "-c", code]).stdout.strip() == host.address
+
+
+@pytest.mark.parametrize("layout", ["small", "large"])
+def test_tcp_blocks_cross_hosts_byte_exact(net: netns.Topology, layout: str) -> None:
+    config = _served("tcp")
+    with spawn_peer(config, 64, SEED, layout, prefix=net["p"].command([])) as peer:
+        assert peer.address["host"] == net["p"].address
+        got = _pull(net["d"], _served("tcp"), peer.address, 64, layout)
+    assert got["statuses"] == {"ok": 64}, got["reasons"]
+    assert got["ok_exact"]
+
+
+def test_shm_refuses_a_peer_on_another_host_per_key_and_a_multi_falls_back_to_tcp(
+    net: netns.Topology,
+) -> None:
+    shm = _served("shm")
+    multi = {"backend": "multi", "policy": "fallback", "children": [shm, _served("tcp")]}
+    with spawn_peer(multi, 16, SEED, prefix=net["p"].command([])) as peer:
+        shm_address = peer.address["children"][0]
+        alone = _pull(net["d"], shm, shm_address, 16)
+        both = _pull(net["d"], multi, peer.address, 16)
+    assert alone["statuses"] == {"failed": 16}
+    assert "another host" in alone["reasons"][0], alone["reasons"]
+    assert alone["seconds"] < 1.0, "refused at once, not at a timeout"
+    assert alone["untouched"]
+    assert both["statuses"] == {"ok": 16}, both["reasons"]
+    assert both["ok_exact"]
+
+
+def test_a_link_cut_mid_transfer_fails_the_rest_within_the_deadline_and_heals(
+    net: netns.Topology,
+) -> None:
+    """256 KiB blocks over a 50 Mbit link (about 5 s for 120 blocks, timeout_s 15);
+    the wire is cut a second or two in: the load ends by its deadline, the blocks
+    that arrived are exact, the rest failed; once the link is back, a new load
+    gets every block."""
+    blocks = 120
+    config = {**_served("tcp"), "timeout_s": 15.0}
+    net["p"].limit_rate(50)
+    with spawn_peer(config, blocks, SEED, "large", prefix=net["p"].command([])) as peer:
+        argv = [sys.executable, "-m", "kvmux.testing.pull", "--config", json.dumps(config)]
+        argv += ["--source", json.dumps(peer.address), "--blocks", str(blocks)]
+        argv += ["--seed", str(SEED), "--layout", "large"]
+        started = time.monotonic()
+        puller = subprocess.Popen(net["d"].command(argv), stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(3.0)  # the consumer's start-up (imports) plus a second or so of bytes
+            net["p"].link_down()
+            out, _ = puller.communicate(timeout=15.0 + P2P_GRACE_S + 30)
+        finally:
+            if puller.poll() is None:
+                puller.kill()
+                puller.wait(timeout=10)
+        elapsed = time.monotonic() - started
+        cut = json.loads(out.strip().splitlines()[-1])
+        net["p"].link_up()
+        net["p"].clear_shaping()
+        healed = _pull(net["d"], config, peer.address, blocks, "large")
+    print(f"\nlink cut mid-transfer: {cut['statuses']} after {cut['seconds']:.2f} s")
+    assert cut["statuses"].get("failed", 0) > 0, cut
+    assert cut["seconds"] < 15.0 + P2P_GRACE_S, cut
+    assert elapsed < 15.0 + P2P_GRACE_S + 20
+    assert cut["ok_exact"]
+    assert healed["statuses"] == {"ok": blocks}, healed["reasons"]
+    assert healed["ok_exact"]
+
+
+@pytest.mark.parametrize("shaping", ["rate", "netem"])
+def test_a_slow_link_delivers_exact_bytes_in_bounded_time(
+    net: netns.Topology, shaping: str
+) -> None:
+    """1 Gbit (tbf), or 100 µs each way plus 1 Gbit (netem, where the kernel has it):
+    32 MiB arrive exact, no sooner than the link allows and well inside timeout_s."""
+    if shaping == "netem" and netns.netem_unavailable() is not None:
+        pytest.skip(str(netns.netem_unavailable()))
+    blocks, rate_mbit = 128, 1000
+    for host in (net["p"], net["d"]):
+        if shaping == "netem":
+            host.netem(delay_us=100, rate_mbit=rate_mbit)
+        else:
+            host.limit_rate(rate_mbit)
+    config = {**_served("tcp"), "timeout_s": 30.0}
+    with spawn_peer(config, blocks, SEED, "large", prefix=net["p"].command([])) as peer:
+        got = _pull(net["d"], config, peer.address, blocks, "large")
+    floor_s = got["nbytes"] * 8 / (rate_mbit * 1e6)
+    print(f"\n{shaping} {rate_mbit} Mbit: {got['nbytes'] >> 20} MiB in {got['seconds']:.2f} s")
+    assert got["statuses"] == {"ok": blocks}, got["reasons"]
+    assert got["ok_exact"]
+    assert got["nbytes"] == blocks * 256 * 2**10
+    assert got["seconds"] >= 0.8 * floor_s, "the link was not shaped"
+    assert got["seconds"] < 20.0
