@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvmux.testing import netns
 from kvmux.testing.peer import spawn_peer
+from vllm_e2e_support import installed
 
 from support import P2P_GRACE_S
 
@@ -41,6 +43,10 @@ def net() -> Iterator[netns.Topology]:
     assert not any(h.netns in left for h in topology.hosts.values()), left
 
 
+def _needs(module: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not installed(module), reason=f"{module} is not installed")
+
+
 def _served(backend: str, **extra: Any) -> dict[str, Any]:
     return {
         "backend": backend,
@@ -51,10 +57,22 @@ def _served(backend: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+UCX_TCP = {"UCX_TLS": "tcp,self"}
+"""NIXL between hosts: UCX over TCP (its same-host transports would find the
+other namespace on this kernel and bypass the network)."""
+BACKEND_ENV: dict[str, dict[str, str]] = {"nixl": UCX_TCP}
+
+
+def _in(host: netns.Host, env: dict[str, str] | None = None) -> list[str]:
+    """The prefix that runs a command in ``host`` with ``env`` set."""
+    settings = [f"{name}={value}" for name, value in (env or {}).items()]
+    return host.command(["env", *settings] if settings else [])
+
+
 def _pull(
     host: netns.Host,
     config: dict[str, Any],
-    source: dict[str, Any],
+    source: dict[str, Any] | None,
     blocks: int,
     layout: str = "small",
     env: dict[str, str] | None = None,
@@ -63,7 +81,7 @@ def _pull(
     argv += ["--source", json.dumps(source), "--blocks", str(blocks), "--seed", str(SEED)]
     argv += ["--layout", layout]
     done = subprocess.run(
-        host.command(argv), capture_output=True, text=True, timeout=120, env=env, check=False
+        [*_in(host, env), *argv], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -95,13 +113,75 @@ def test_a_wildcard_bound_server_advertises_its_reachable_address() -> None:
         assert host.run([sys.executable, "-c", code]).stdout.strip() == host.address
 
 
-@pytest.mark.parametrize("layout", ["small", "large"])
-def test_tcp_blocks_cross_hosts_byte_exact(net: netns.Topology, layout: str) -> None:
-    config = _served("tcp")
-    with spawn_peer(config, 64, SEED, layout, prefix=net["p"].command([])) as peer:
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [
+        ("tcp", "small"),
+        ("tcp", "large"),
+        pytest.param("nixl", "small", marks=_needs("nixl")),
+        pytest.param("mooncake", "small", marks=_needs("mooncake")),
+    ],
+)
+def test_p2p_blocks_cross_hosts_byte_exact(net: netns.Topology, backend: str, layout: str) -> None:
+    """The producer binds 0.0.0.0 and advertises its 10.x address; the consumer in
+    the other host pulls every block, exact."""
+    config, env = _served(backend), BACKEND_ENV.get(backend)
+    with spawn_peer(config, 64, SEED, layout, prefix=_in(net["p"], env)) as peer:
         assert peer.address["host"] == net["p"].address
-        got = _pull(net["d"], _served("tcp"), peer.address, 64, layout)
+        got = _pull(net["d"], config, peer.address, 64, layout, env)
     assert got["statuses"] == {"ok": 64}, got["reasons"]
+    assert got["ok_exact"]
+
+
+@_needs("mooncake")
+def test_mooncake_store_values_cross_hosts_through_a_master_on_a_third() -> None:
+    """Master on host ``store``; the writer on ``p`` lends the segment its values
+    live in (advertising its 10.x address); the reader on ``d`` gets them exact."""
+    port = 50051
+    with netns.topology("p", "d", "store") as net:
+        master = net["store"].address
+        argv = [
+            str(Path(sys.executable).parent / "mooncake_master"),
+            f"--rpc_address={master}",
+            f"--rpc_port={port}",
+        ]
+        argv += [f"--metrics_host={master}", "--metrics_port=9003"]
+        config = {
+            "backend": "mooncake-store",
+            "master_address": f"{master}:{port}",
+            "global_segment_bytes": 16 * 2**20,
+            "local_buffer_bytes": 16 * 2**20,
+            "timeout_s": TIMEOUT_S,
+        }
+        with (
+            net["store"].serve(argv, port, start_s=20),
+            spawn_peer(config, 16, SEED, prefix=_in(net["p"])),
+        ):
+            got = _pull(net["d"], config, None, 16)
+    assert got["statuses"] == {"ok": 16}, got["reasons"]
+    assert got["ok_exact"]
+
+
+@_needs("lmcache")
+def test_lmcache_server_on_a_third_host_serves_blocks_saved_on_another() -> None:
+    """``lmcache_server`` on host ``store``; a writer on ``p`` saves through
+    ``lm://10.x:PORT`` and exits; a reader on ``d`` loads every block exact."""
+    port = 65432
+    with netns.topology("p", "d", "store") as net:
+        server = net["store"].address
+        argv = [sys.executable, "-m", "lmcache.v1.server", server, str(port), "cpu"]
+        config = {
+            "backend": "lmcache",
+            "max_local_cpu_gb": 0.05,
+            "remote_url": f"lm://{server}:{port}",
+            "namespace": "netns",
+            "timeout_s": TIMEOUT_S,
+        }
+        with net["store"].serve(argv, port, start_s=120):
+            with spawn_peer(config, 16, SEED, prefix=_in(net["p"])):
+                pass
+            got = _pull(net["d"], config, None, 16)
+    assert got["statuses"] == {"ok": 16}, got["reasons"]
     assert got["ok_exact"]
 
 

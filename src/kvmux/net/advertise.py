@@ -35,6 +35,17 @@ def advertised_host(bound: str, advertise: str | None) -> str:
     return first_host_address()
 
 
+def host_facing(server: str) -> str:
+    """The address a client advertises to the other clients of ``server`` (a store's
+    master): loopback when the server is on loopback (everyone is on this host),
+    else :func:`first_host_address`."""
+    try:
+        loopback = ipaddress.ip_address(server.strip("[]")).is_loopback
+    except ValueError:
+        loopback = server == "localhost"
+    return "127.0.0.1" if loopback else first_host_address()
+
+
 def first_host_address() -> str:
     """This host's first non-loopback IPv4 address on an interface that is up;
     ``127.0.0.1`` if it has none."""

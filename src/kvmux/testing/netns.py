@@ -164,9 +164,66 @@ class Host:
         """Remove :meth:`netem` / :meth:`limit_rate`: the link is plain again."""
         _run(["ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", _DEVICE, "root"])
 
+    def wait_listening(self, port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+        """Block until something in the host accepts on ``self.address:port`` (probed
+        from inside the host, which this process cannot reach), or ``proc`` exits."""
+        probe = (
+            "import socket,sys,time\n"
+            f"until = time.monotonic() + {timeout_s}\n"
+            "while time.monotonic() < until:\n"
+            "    try:\n"
+            f"        socket.create_connection(({self.address!r}, {port}), 0.2).close()\n"
+            "        sys.exit(0)\n"
+            "    except OSError:\n"
+            "        time.sleep(0.05)\n"
+            "sys.exit(1)\n"
+        )
+        waiter = subprocess.Popen(self.command(["python3", "-c", probe]))
+        try:
+            until = time.monotonic() + timeout_s + _STEP_TIMEOUT_S
+            while waiter.poll() is None and proc.poll() is None and time.monotonic() < until:
+                time.sleep(0.05)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+            waiter.wait(timeout=_STEP_TIMEOUT_S)
+        if waiter.returncode != 0:
+            state = f"exited ({proc.returncode})" if proc.poll() is not None else "runs"
+            raise NetnsError(
+                f"{proc.args!r} in host {self.name} did not listen on {self.address}:{port} "
+                f"within {timeout_s} s (it {state})"
+            )
+
+    @contextlib.contextmanager
+    def serve(
+        self, argv: Sequence[str], port: int, *, start_s: float = 60.0
+    ) -> Iterator[subprocess.Popen[bytes]]:
+        """Run a server ``argv`` in the host for the ``with`` block, once it listens on
+        ``port``; SIGTERM, then SIGKILL, by PID at the end."""
+        proc = subprocess.Popen(
+            self.command(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            self.wait_listening(port, start_s, proc)
+            yield proc
+        finally:
+            _end(proc)
+
     def pids(self) -> list[int]:
         """Processes running in this host now (``ip netns pids``)."""
         return _pids(self.netns)
+
+
+def _end(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
 
 
 def _pids(netns: str) -> list[int]:
