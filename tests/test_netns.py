@@ -102,6 +102,20 @@ def test_a_topology_connects_its_hosts_and_leaves_nothing_behind() -> None:
     assert not any(h.netns in left for h in hosts)
 
 
+def test_namespaces_left_by_a_dead_run_are_swept_and_living_ones_kept() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = f"kvmux-{dead.pid}-abcdef-sw"
+    subprocess.run(["ip", "netns", "add", orphan], check=True, timeout=10)
+    try:
+        with netns.topology("a") as net:
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            assert orphan not in listed.stdout
+            assert net["a"].netns in listed.stdout, "this run's own namespace is kept"
+    finally:
+        subprocess.run(["ip", "netns", "del", orphan], capture_output=True, timeout=10)
+
+
 def test_a_wildcard_bound_server_advertises_its_reachable_address() -> None:
     from kvmux.net.advertise import advertised_host
 

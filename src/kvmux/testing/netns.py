@@ -10,17 +10,22 @@ this topology created: there is no route out.
 A process runs in a host through :meth:`Host.command`, a prefix
 (``ip netns exec NS ...``) in front of any command; ``ip`` execs it, so the
 PID that ``Popen`` returns is the process itself and tests stop it by PID as
-usual. By default a host also gets a private ``/dev/shm`` (a fresh tmpfs in
-the mount namespace ``ip netns exec`` gives every command): separate hosts
-share no shared memory, so a same-host transport (``shm``) sees another host.
+usual. By default each command also gets a private ``/dev/shm`` (a fresh
+tmpfs in the mount namespace ``ip netns exec`` gives every command, gone with
+it): separate hosts share no shared memory, so a same-host transport
+(``shm``) sees another host. Two commands in one host do not share one either;
+``private_shm=False`` keeps the machine's ``/dev/shm`` for every host.
 
 :meth:`Topology.close` (also the ``with`` exit) kills what still runs in its
 namespaces by PID, checks with ``ip netns pids`` that nothing is left, and
 deletes the namespaces, which removes their veths; every step is bounded in
-time. Link faults: :meth:`Host.link_down` / :meth:`Host.link_up` (cut the
-host's wire), :meth:`Host.netem` (delay and rate on its egress; both
-directions when applied to both ends) and :meth:`Host.limit_rate` (rate
-only, ``tc tbf``, for kernels without netem).
+time. A run killed before its teardown leaves namespaces named after its PID;
+the next topology removes those (:func:`sweep_orphans`).
+
+Link faults: :meth:`Host.link_down` / :meth:`Host.link_up` (cut the host's
+wire), :meth:`Host.netem` (delay and rate on its egress; both directions
+when applied to both ends) and :meth:`Host.limit_rate` (rate only, ``tc
+tbf``, for kernels without netem).
 
 Needs root and ``ip``/``tc`` (iproute2); :func:`unavailable` and
 :func:`netem_unavailable` say why not, for an honest skip.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -249,6 +255,7 @@ class Topology:
         reason = unavailable()
         if reason is not None:
             raise NetnsError(reason)
+        sweep_orphans()
         tag = f"kvmux-{os.getpid()}-{secrets.token_hex(3)}"
         switch = f"{tag}-sw"
         try:
@@ -316,6 +323,36 @@ def _stop_all(netns: str, grace_s: float = 5.0) -> list[int]:
         while _pids(netns) and time.monotonic() < until:
             time.sleep(0.05)
     return _pids(netns)
+
+
+_OURS = re.compile(r"^kvmux-(\d+)-[0-9a-f]{6}-(?:sw|\d+)$")
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the namespaces of topologies whose creating process is gone (a test
+    run killed before its teardown), with what still runs in them; the names
+    removed. Namespaces of living processes are left alone."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for line in listed:
+        name = line.split(" ")[0]
+        match = _OURS.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        _stop_all(name)
+        if _ip("netns", "del", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager
