@@ -33,6 +33,7 @@ pytestmark = [
 TIMEOUT_S = 8.0
 SLACK_S = 6.0
 """On top of timeout_s and computing the prompts: a loaded 2-core machine."""
+BREAKER_COOLDOWN_S = 1.0
 SLOW_MBIT = 4
 """The cut test's link: the prompts' KV (about 1.2 MiB) takes a few seconds on it."""
 
@@ -67,9 +68,12 @@ BACKENDS = {
         "policy": "fallback",
         "timeout_s": TIMEOUT_S,
         "children": [_served("shm"), _served("tcp")],
+        "breaker": {"cooldown_s": BREAKER_COOLDOWN_S},
     },
 }
-"""``shm-then-tcp``: shm refuses the other host per key, the tcp child serves."""
+"""``shm-then-tcp``: shm refuses the other host per key, the tcp child serves. Its
+breaker opens on the failures of the cut; it is let through again (the tcp
+child is healthy) once the cooldown has passed."""
 
 
 @pytest.fixture(
@@ -150,6 +154,7 @@ def test_a_link_cut_while_decode_loads_recomputes_by_the_deadline(
     assert after.get("load_blocks_failed", 0) > before.get("load_blocks_failed", 0)
     assert took < TIMEOUT_S + compute_s + SLACK_S
 
+    time.sleep(BREAKER_COOLDOWN_S + 0.5)  # a multi's breaker lets the healed child through
     assert hosts.consumer.call("reset_prefix_cache")["ok"]
     params = prefill(hosts.producer)
     healed_before = hosts.stats()
