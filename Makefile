@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml
 	dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
 		|| echo "warning: could not install libibverbs1; the mooncake backends will be unavailable"
 	$(PIP) install -e '.[mooncake]'
+	# The separate-hosts tests (network namespaces, tc) need iproute2; as root only.
+	dpkg -s iproute2 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } \
+		|| echo "warning: could not install iproute2; the separate-hosts tests will be skipped"
 	# kvmux[lmcache] last: it pins numpy and friends lower, which the rest accepts
 	# (shared/NOTES.md); its cuda.bindings is why nixl-cu13 is installed above.
 	$(PIP) install -e '.[lmcache]'

@@ -17,7 +17,7 @@ import torch
 
 from kvmux.compat import ModelInfo
 from kvmux.connector import Connector
-from kvmux.errors import ClosedError
+from kvmux.errors import ClosedError, ConfigError
 from kvmux.handle import Status
 from kvmux.keys import chain_keys
 from kvmux.layout import KVLayout
@@ -513,3 +513,22 @@ def test_past_max_connections_of_joined_clients_a_newcomer_is_told_busy(
         first.connector.close()
         second.connector.close()
         producer.close()
+
+
+# ------------------------------------------------------------------ addresses
+
+
+def test_a_wildcard_bound_server_advertises_an_address_peers_can_dial() -> None:
+    from kvmux.net.advertise import first_host_address
+
+    settings = {"backend": "tcp", "capacity_bytes": POOL_BYTES, "host": "0.0.0.0"}
+    wildcard = create_connector(settings)
+    named = create_connector({**settings, "advertise": "kvmux-p.example"})
+    try:
+        assert wildcard.address()["host"] == first_host_address() != "0.0.0.0"
+        assert named.address()["host"] == "kvmux-p.example"
+    finally:
+        wildcard.close()
+        named.close()
+    with pytest.raises(ConfigError, match=r"advertise.*wildcard"):
+        create_connector({**settings, "advertise": "0.0.0.0"})

@@ -40,6 +40,7 @@ from kvmux.config import BackendConfig
 from kvmux.connector import Health
 from kvmux.errors import ClosedError, TransferError, TransferTimeout
 from kvmux.keys import BlockKey
+from kvmux.net.advertise import host_facing
 from kvmux.net.memory import byte_view
 from kvmux.net.mooncake_engine import QUEUE_ENV, keep_past_exit
 
@@ -54,7 +55,12 @@ class MooncakeStoreConfig(BackendConfig):
     master_address: str = Field(
         "127.0.0.1:50051", pattern=r"^[^:\s]+:[0-9]{1,5}$", description="mooncake_master host:port"
     )
-    local_hostname: str = Field("127.0.0.1", description="hostname this client's TE advertises")
+    local_hostname: str | None = Field(
+        None,
+        description="address this client's TE advertises (other clients read its values "
+        "there); default: 127.0.0.1 with a loopback master (every client on its host), "
+        "else this machine's first non-loopback IPv4 address",
+    )
     metadata_server: str = Field(
         "P2PHANDSHAKE", description="TE metadata service; P2PHANDSHAKE needs none"
     )
@@ -192,7 +198,7 @@ def _shared_client(config: MooncakeStoreConfig) -> Any:
     from mooncake.store import MooncakeDistributedStore
 
     key = (
-        config.local_hostname,
+        local_hostname(config),
         config.metadata_server,
         config.global_segment_bytes,
         config.local_buffer_bytes,
@@ -217,6 +223,11 @@ def _shared_client(config: MooncakeStoreConfig) -> Any:
             )
         _clients[key] = client
         return client
+
+
+def local_hostname(config: MooncakeStoreConfig) -> str:
+    """Where other clients reach this one's segment: see ``local_hostname``'s field."""
+    return config.local_hostname or host_facing(config.master_address.rsplit(":", 1)[0])
 
 
 def close_clients(master_address: str | None = None) -> int:

@@ -36,18 +36,20 @@ from kvmux.errors import NotRegisteredError, TransferError
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
+from kvmux.net.advertise import host_facing
 
 _SCHEMES = ("lm", "mooncakestore")
 
 _MOONCAKE_DEFAULTS = {
     "mooncake_metadata_server": "P2PHANDSHAKE",
     "mooncake_protocol": "tcp",
-    "mooncake_local_hostname": "127.0.0.1",
     "mooncake_global_segment_size": str(256 * 2**20),
     "mooncake_local_buffer_size": str(64 * 2**20),
 }
-"""What a ``mooncakestore://`` remote needs besides the master, sized for a test
-box; ``extra_config`` overrides any of them."""
+"""What a ``mooncakestore://`` remote needs besides the master (and the address
+this client advertises: loopback with a loopback master, else this machine's
+first non-loopback one), sized for a test box; ``extra_config`` overrides any
+of them."""
 
 
 class LmcacheConfig(BackendConfig):
@@ -185,6 +187,7 @@ class LmcacheConnector(Connector):
                 # ("Failed to create client", then a crash); this one it reads.
                 extra = {
                     **_MOONCAKE_DEFAULTS,
+                    "mooncake_local_hostname": host_facing(host),
                     "mooncake_master_server_addr": f"{host}:{port}",
                     "transfer_timeout": max(1, math.ceil(cfg.timeout_s)),
                     **extra,

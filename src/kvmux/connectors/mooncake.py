@@ -43,6 +43,7 @@ from pydantic import Field
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout
+from kvmux.net.advertise import advertised_host
 from kvmux.net.client import Link
 from kvmux.net.messages import MooncakeLocateReply
 from kvmux.net.mooncake_engine import MooncakeEngine
@@ -57,9 +58,10 @@ class MooncakeConfig(PinnedPoolConfig):
     device_name: str = Field(
         "", description="RDMA devices for TE (e.g. 'mlx5_0'); empty: auto / none for tcp"
     )
-    te_host: str = Field(
-        "127.0.0.1",
-        description="hostname TE advertises to peers; note TE listens on 0.0.0.0 anyway",
+    te_host: str | None = Field(
+        None,
+        description="hostname TE advertises to peers (its segment name); default: the "
+        "control server's advertised address. TE listens on 0.0.0.0 anyway",
     )
     max_queued_per_peer: int = Field(
         8192,
@@ -87,8 +89,9 @@ class MooncakeConnector(PinnedPoolConnector):
         self._pieces: list[tuple[int, int, int]] = []
         """Per piece of a serialized block: (address of piece 0, stride, length)."""
         # The engine exists before the server answers its first request.
+        te_host = config.te_host or advertised_host(config.host, config.advertise)
         self._engine = MooncakeEngine(
-            config.te_host, config.protocol, config.device_name, config.max_queued_per_peer
+            te_host, config.protocol, config.device_name, config.max_queued_per_peer
         )
         try:
             super().__init__(config)

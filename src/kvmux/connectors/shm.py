@@ -11,8 +11,9 @@ Never wrong bytes: a slot is only overwritten once its pin is gone, and a
 pin lasts until unpin or ``lease_s``. The consumer counts the lease from
 *before* it sent the request, so if its copy finished inside that window the
 slots were still pinned throughout; otherwise the keys fail. Only a peer on
-this host is accepted: its ``host_id`` must be this kernel's, and the mapped
-segment must carry the random token the producer announced.
+this host is accepted: its ``host_id`` must be this one's (the kernel and the
+``/dev/shm`` it mounts), else every key fails at once saying so; and the
+mapped segment must carry the random token the producer announced.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class ShmConnector(PinnedPoolConnector):
     def _check_peer(self, peer: PeerAddress) -> None:
         if peer.host_id != self._host_id:
             raise TransferError(
-                f"the shm peer at {peer.host}:{peer.port} runs on another host (host id "
-                f"{peer.host_id}, here {self._host_id}); shm only works on one host, use tcp"
+                f"the shm peer at {peer.host}:{peer.port} runs on another host or sees "
+                f"another /dev/shm (host id {peer.host_id}, here {self._host_id}); shm only "
+                "works within one host: use tcp, or a multi with a tcp child to fall back"
             )
 
     def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:

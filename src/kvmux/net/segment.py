@@ -43,13 +43,19 @@ _MAGIC = b"KVMXSEG1"
 
 
 def host_id() -> str:
-    """Identity of the running kernel: two processes with different ids are on
-    different machines. (The same id does not prove they share ``/dev/shm``;
-    the segment token check does.)"""
+    """Identity of the running kernel and of the ``/dev/shm`` this process sees: two
+    processes with different ids cannot share a segment (other machines, or
+    containers / namespaces with a ``/dev/shm`` of their own). The same id does
+    not prove they share ``/dev/shm``; the segment token check does."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        kernel = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        return socket.gethostname()
+        kernel = socket.gethostname()
+    try:
+        shm = os.stat(SHM_DIR)
+    except OSError:
+        return kernel
+    return f"{kernel}/shm-{shm.st_dev:x}"
 
 
 class OwnedSegment:

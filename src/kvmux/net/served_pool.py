@@ -17,7 +17,10 @@ compatibility fingerprint (:mod:`kvmux.compat`), so an engine can tell before
 asking that a producer runs another model.
 
 Without a ``secret``, the server answers anyone who can reach its port; it
-binds 127.0.0.1 unless ``host`` says otherwise.
+binds 127.0.0.1 unless ``host`` says otherwise. ``address()`` carries the
+host peers must dial: ``advertise``, else the bound host, else (for a
+wildcard bind) this machine's first non-loopback address
+(:mod:`kvmux.net.advertise`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from kvmux.capabilities import Capabilities
 from kvmux.compat import Compat
@@ -47,6 +50,7 @@ from kvmux.errors import (
 from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
+from kvmux.net.advertise import WILDCARDS, advertised_host
 from kvmux.net.client import Link, PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import Terms, refusal
@@ -69,7 +73,15 @@ log = logging.getLogger(__name__)
 
 
 class ServedPoolConfig(CpuPoolConfig):
-    host: str = Field("127.0.0.1", description="address the server listens on")
+    host: str = Field(
+        "127.0.0.1", description="address the server listens on (0.0.0.0: every interface)"
+    )
+    advertise: str | None = Field(
+        None,
+        description="address peers are told to reach this server at (in address()); "
+        "default: host, or for a wildcard host this machine's first non-loopback IPv4 "
+        "address. Set it with several interfaces or NAT between hosts",
+    )
     port: int = Field(0, ge=0, le=65535, description="listening port; 0 picks a free one")
     secret: SecretStr | None = Field(
         None,
@@ -94,6 +106,13 @@ class ServedPoolConfig(CpuPoolConfig):
     idle_timeout_s: float = Field(
         300.0, gt=0, description="a joined connection without a request for this long is closed"
     )
+
+    @field_validator("advertise")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        if value is not None and value in WILDCARDS:
+            raise ValueError(f"advertise={value!r} is a wildcard; peers cannot reach it")
+        return value
 
 
 class PeerAddress(BaseModel):
@@ -171,6 +190,8 @@ class ServedPoolConnector(CpuPoolConnector):
             },
             on_close=self._session_closed,
         )
+        self.advertised_host = advertised_host(self._server.host, config.advertise)
+        """Where peers reach the server; see :mod:`kvmux.net.advertise`."""
 
     # ------------------------------------------------------------ for subclasses
 
@@ -366,7 +387,7 @@ class ServedPoolConnector(CpuPoolConnector):
     def address(self) -> dict[str, Any]:
         terms = self._terms
         return {
-            "host": self._server.host,
+            "host": self.advertised_host,
             "port": self._server.port,
             "incarnation": self.incarnation,
             "layout": terms.layout,

@@ -161,9 +161,12 @@ def spawn_peer(
     layout: str = "small",
     *,
     ready_timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> Iterator[PeerProcess]:
     """Run a peer process for the ``with`` block; it is stopped by PID on exit
-    (stdin closed, then SIGKILL if it has not gone within 5 s)."""
+    (stdin closed, then SIGKILL if it has not gone within 5 s). ``prefix`` runs it
+    through a command that execs it, e.g. in another network namespace
+    (:meth:`kvmux.testing.netns.Host.command`)."""
     cmd = [
         sys.executable,
         "-m",
@@ -177,7 +180,7 @@ def spawn_peer(
         "--layout",
         layout,
     ]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([*prefix, *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         ready = json.loads(_read_line(proc, ready_timeout_s))
         yield PeerProcess(

@@ -69,12 +69,19 @@ class EngineProcess:
     """One engine in a child process. Use as a context manager; ``stop`` is idempotent."""
 
     def __init__(
-        self, spec: EngineSpec, *, wait: bool = True, start_timeout_s: float = 300.0
+        self,
+        spec: EngineSpec,
+        *,
+        wait: bool = True,
+        start_timeout_s: float = 300.0,
+        prefix: Sequence[str] = (),
     ) -> None:
+        """``prefix`` runs the engine through a command that execs it, e.g. on another
+        host of a :class:`kvmux.testing.netns.Topology` (``host.command``)."""
         self.spec = spec
         env = {**os.environ, **ENGINE_ENV, **spec.env}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmux.testing.vllm_engine", spec.model_dump_json()],
+            [*prefix, sys.executable, "-m", "kvmux.testing.vllm_engine", spec.model_dump_json()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ import pytest
 
 from kvmux.connector import Connector
 from kvmux.errors import ClosedError
+from kvmux.net.advertise import WILDCARDS
 from kvmux.testing.harness import Harness
 from kvmux.testing.requirements import requires
 from kvmux.testing.suite.base import SuiteBase
@@ -74,3 +75,13 @@ class LifecycleTests(SuiteBase):
         address = pair.saver.address()
         assert isinstance(address, dict), f"address() returned {address!r}"
         assert json.loads(json.dumps(address)) == address
+
+    @requires("p2p")
+    def test_p2p_address_never_names_a_wildcard_host(self, harness: Harness) -> None:
+        """A consumer on another host dials what ``address()`` says: a host of
+        ``0.0.0.0`` or ``::`` (where a server listens, not where it is) reaches
+        nobody. Name a reachable address (kvmux's servers: ``advertise``)."""
+        address = harness.pair().saver.address()
+        assert isinstance(address, dict), f"address() returned {address!r}"
+        host = address.get("host")
+        assert host not in WILDCARDS, f"address() names the wildcard host {host!r}: {address}"
