@@ -119,7 +119,7 @@ def test_a_decode_request_its_server_rejects_releases_the_prefills_publication(
     and the prefill lets go of the request's blocks at once, not after ``lease_s``."""
     c = demo_cluster
     prompt = random_prompts(1, 300, seed=77, vocab_size=c.spec.vocab_size)[0]
-    before = transfer_totals(c.prefill.log_path)
+    before = _settled_totals(c.prefill)
     body = {
         **request_body(prompt, 1, stream=False),
         "kv_transfer_params": {"do_remote_decode": True},
@@ -140,6 +140,27 @@ def test_a_decode_request_its_server_rejects_releases_the_prefills_publication(
         released = now.get("leases_released", 0) - before.get("leases_released", 0)
     assert released == 1, "the prefill never heard that the decode rejected the request"
     assert transfer_totals(c.prefill.log_path).get("leases_expired", 0) == 0
+
+
+def _settled_totals(server: VllmServer, timeout_s: float = 60) -> dict[str, float]:
+    """The server's logged kvmux counters once earlier tests' leases have been logged:
+    two reads a step apart agree on them (a release left by an earlier test, logged
+    late, would otherwise count as this test's)."""
+    deadline = time.monotonic() + timeout_s
+
+    def leases() -> dict[str, float]:
+        totals = transfer_totals(server.log_path)
+        return {k: v for k, v in totals.items() if k.startswith("leases_")}
+
+    last = leases()
+    while time.monotonic() < deadline:
+        _post(server.url, request_body([5, 6, 7], 1, stream=False))  # a step logs counters
+        time.sleep(1.5)
+        now = leases()
+        if now == last:
+            return transfer_totals(server.log_path)
+        last = now
+    raise AssertionError(f"{server}'s lease counters never settled: {last}")
 
 
 def _post(base_url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -374,6 +395,17 @@ def test_another_process_answering_on_the_port_is_not_taken_for_the_server(
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_server_keeps_its_metrics_apart_from_servers_started_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM points PROMETHEUS_MULTIPROC_DIR at its own temporary directory in a process
+    that ran an engine; a server inheriting it would sum every earlier server's counters."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    server = _StandIn("pass", tmp_path)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in server.env
+    assert server.env["PATH"] == os.environ["PATH"]
 
 
 def test_free_port_never_hands_out_one_port_twice() -> None:

@@ -47,6 +47,13 @@ class ServerError(KvmuxError, RuntimeError):
     """A server exited or did not become healthy; the message carries its log tail."""
 
 
+_PER_SERVER_ENV = frozenset({"PROMETHEUS_MULTIPROC_DIR"})
+"""Variables a server must not inherit. vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` to a
+temporary directory of its own in any process that imports its metrics (a test
+process that ran an engine in-process); servers started from there would write
+their metrics into that one directory and each one's ``/metrics`` would add up
+the counters of every server before it."""
+
 _HANDED_OUT: set[int] = set()
 """Ports ``free_port`` has returned in this process: servers started side by side
 each take a port number before any of them binds it, and the kernel may offer a
@@ -115,7 +122,7 @@ class VllmServer:
         self.log_path = Path(log_dir) / f"{name}.log"
         self.cpus = tuple(cpus)
         self.env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in _PER_SERVER_ENV},
             **ENGINE_ENV,
             **SERVER_ENV,
             **pinned_env(self.cpus),
