@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from support import caches, fake_dist, layout
 
-__all__ = ["caches", "fake_dist", "layout", "tiny_model_dir", "vllm_reference"]
+__all__ = ["caches", "engines", "fake_dist", "layout", "tiny_model_dir", "vllm_reference"]
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +26,12 @@ def vllm_reference(tiny_model_dir: str) -> list[list[int]]:
     from vllm_e2e_support import reference_tokens
 
     return reference_tokens(tiny_model_dir)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Any]]:
+    """The ``vllm_harness.FakeEngine``s a test makes (it appends them), closed after it."""
+    made: list[Any] = []
+    yield made
+    for engine in made:
+        engine.close()

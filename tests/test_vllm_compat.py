@@ -32,14 +32,6 @@ def models() -> tuple[Any, Any]:
     return tiny_model(), tiny_model(TinyModelSpec(seed=1))
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[FakeEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
 def _prompt(n: int) -> list[int]:
     return [3 + (i * 5) % 250 for i in range(n)]
 

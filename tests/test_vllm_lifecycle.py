@@ -41,14 +41,6 @@ def model_dir() -> Any:
     return tiny_model()
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[FakeEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
 def _engine(
     engines: list[FakeEngine], model_dir: Any, extra: dict[str, Any], **kw: Any
 ) -> FakeEngine:

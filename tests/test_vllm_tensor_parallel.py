@@ -32,14 +32,6 @@ def model_dir() -> Any:
     return tiny_model()
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[FakeEngine] = []
-    yield made
-    for engine in made:
-        engine.close()
-
-
 def _prompt(n: int) -> list[int]:
     return [3 + (i * 7) % 250 for i in range(n)]
 
