@@ -122,24 +122,35 @@ class Cluster:
     startup_s: float
 
 
-def server_args(kv_transfer: Mapping[str, Any] | None = None) -> list[str]:
-    """The flags every server shares (shared/NOTES.md "vLLM on the CPU"), plus a connector."""
+def server_args(
+    kv_transfer: Mapping[str, Any] | None = None,
+    *,
+    served_model_name: str = SERVED_MODEL,
+    dtype: str = "float32",
+    max_model_len: int = MAX_MODEL_LEN,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int | None = None,
+) -> list[str]:
+    """The flags every server shares (shared/NOTES.md "vLLM on the CPU"), plus a connector.
+    The keywords are for servers that are not the demo's (``kvmux bench serve``)."""
     args = [
         "--served-model-name",
-        SERVED_MODEL,
+        served_model_name,
         "--dtype",
-        "float32",
+        dtype,
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--enforce-eager",
         "--max-num-seqs",
-        "4",
+        str(max_num_seqs),
         "--seed",
         "0",
         "--block-size",
         str(BLOCK_SIZE),
         "--disable-uvicorn-access-log",
     ]
+    if max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if kv_transfer is not None:
         args += ["--kv-transfer-config", json.dumps(dict(kv_transfer))]
     return args

@@ -15,7 +15,6 @@ The proxy and the load generator are not pinned; they are the same in both.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -25,13 +24,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmux.demo.run import kv_transfer_config, stop_all
+from kvmux.demo.run import BLOCK_SIZE, kv_transfer_config, stop_all
+from kvmux.demo.run import server_args as demo_server_args
 from kvmux.demo.servers import ProxyThread, VllmServer
 
 #: One name on every server, so one request body fits each.
 SERVED_MODEL = "kvmux-bench-serve"
-#: vLLM's CPU block size, passed explicitly.
-BLOCK_SIZE = 128
 
 
 class Topology(BaseModel):
@@ -69,27 +67,14 @@ class ServerSettings(BaseModel):
 def server_args(
     settings: ServerSettings, batched_tokens: int, kv_transfer: dict[str, Any] | None
 ) -> list[str]:
-    args = [
-        "--served-model-name",
-        SERVED_MODEL,
-        "--dtype",
-        settings.dtype,
-        "--max-model-len",
-        str(settings.max_model_len),
-        "--max-num-seqs",
-        str(settings.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(batched_tokens),
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--disable-uvicorn-access-log",
-    ]
-    if kv_transfer is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return args
+    return demo_server_args(
+        kv_transfer,
+        served_model_name=SERVED_MODEL,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=batched_tokens,
+    )
 
 
 def servers_for(
