@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from pydantic import ConfigDict
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backends.disk import DiskConfig, DiskConnector
 from kvmux.capabilities import Capabilities
 from kvmux.connector import Address, Connector
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
-from kvmux.connectors.disk import DiskConfig, DiskConnector
 from kvmux.handle import MISSING, OK, Handle, Outcome, Status, failed
 from kvmux.keys import BlockKey
 

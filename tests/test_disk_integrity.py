@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmux.backends.block_file import CHECKED_SUFFIX, HEADER_BYTES, RAW_SUFFIX
 from kvmux.connector import Connector
-from kvmux.connectors.block_file import CHECKED_SUFFIX, HEADER_BYTES, RAW_SUFFIX
 from kvmux.errors import StorageError
 from kvmux.handle import Status
 from kvmux.keys import BlockKey

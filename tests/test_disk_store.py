@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmux.connectors.block_file import CHECKED_SUFFIX
+from kvmux.backends.block_file import CHECKED_SUFFIX
 from kvmux.errors import ConfigError
 from kvmux.handle import Status
 from kvmux.layout import KVLayout

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from kvmux.connectors.lmcache import LmcacheConnector
+from kvmux.backends.lmcache import LmcacheConnector
 from kvmux.errors import TransferError
 from kvmux.keys import chain_keys
 from kvmux.layout import KVLayout

@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("mooncake")
 
+from kvmux.backends.mooncake import MooncakeConnector
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
-from kvmux.connectors.mooncake import MooncakeConnector
 from kvmux.errors import ClosedError, TransferError
 from kvmux.keys import chain_keys
 from kvmux.registry import create_connector, entries

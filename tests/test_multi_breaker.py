@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.keys import chain_keys
 from kvmux.multi.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvmux.multi.connector import MultiConnector

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.connector import Connector
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.errors import CapacityError, ConfigError, LayoutError, UnknownBackendError
 from kvmux.multi.connector import MultiConnector
 from kvmux.registry import create_connector, parse_config, scan

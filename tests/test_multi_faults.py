@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.connector import Connector
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.handle import Status
 from kvmux.integrity import ChecksumConnector
 from kvmux.keys import BlockKey, chain_keys

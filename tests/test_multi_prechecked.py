@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.connector import Connector
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.errors import ClosedError, InvalidRequestError, NotRegisteredError
 from kvmux.handle import MISSING, OK, Handle, Outcome, Status, failed
 from kvmux.integrity import ChecksumConnector

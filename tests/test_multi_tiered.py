@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.connector import Connector
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.multi.connector import MultiConnector
 from kvmux.multi.eviction import ArcPolicy, LruPolicy

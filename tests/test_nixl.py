@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from kvmux.connectors.nixl import NixlConnector
+from kvmux.backends.nixl import NixlConnector
 from kvmux.keys import chain_keys
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory

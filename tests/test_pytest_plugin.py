@@ -37,7 +37,7 @@ def test_suite_runs_against_a_backend_named_on_the_command_line(
     assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 0
     result.stdout.fnmatch_lines(
         [
-            "kvmux backend: connectors:cpu = kvmux.connectors.cpu:CpuPoolConnector (kvmux *)",
+            "kvmux backend: connectors:cpu = kvmux.backends.cpu:CpuPoolConnector (kvmux *)",
             f"kvmux config: {config}",
             "*requires capability 'persistent' (CpuPoolConnector declares persistent=False)",
         ]
@@ -80,7 +80,7 @@ def test_unrelated_test_runs_are_left_alone(pytester: pytest.Pytester) -> None:
 def test_loading_the_plugin_imports_neither_torch_nor_a_backend() -> None:
     code = (
         "import sys, kvmux.testing.plugin; "
-        "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvmux.connectors')"
+        "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvmux.backends')"
         " or m.startswith('stevedore')); print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.errors import BackendUnavailableError, ConfigError, UnknownBackendError
 from kvmux.registry import create_connector, parse_config, resolve, scan
 
@@ -74,7 +74,7 @@ def test_listing_imports_no_backend_and_no_torch() -> None:
         import json, sys
         from kvmux.cli.listing import records
         rows = records()
-        heavy = ("torch", "kvmux.connectors.cpu", "kvmux.connector")
+        heavy = ("torch", "kvmux.backends.cpu", "kvmux.connector")
         heavy = [m for m in heavy if m in sys.modules]
         print(json.dumps({"n": len(rows), "heavy": heavy}))
         """
@@ -168,7 +168,7 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
     fake_dist: FakeDist,
 ) -> None:
     module = """
-        from kvmux.connectors.cpu import CpuPoolConnector
+        from kvmux.backends.cpu import CpuPoolConnector
         class Mine(CpuPoolConnector):
             pass
     """
@@ -204,7 +204,7 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
         site,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["alpha_kv", "kvmux.connectors.cpu"]
+    assert proc.stdout.split() == ["alpha_kv", "kvmux.backends.cpu"]
 
 
 def test_entry_point_that_is_not_a_connector_is_refused(fake_dist: FakeDist) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvmux.connectors.shm import ShmConnector
+from kvmux.backends.shm import ShmConnector
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits

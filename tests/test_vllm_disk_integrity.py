@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvmux.connectors.block_file import CHECKED_SUFFIX, RAW_SUFFIX
+from kvmux.backends.block_file import CHECKED_SUFFIX, RAW_SUFFIX
 from kvmux.testing.vllm_engine import EngineProcess
 from vllm_e2e_support import FULL_BLOCKS, MAX_TOKENS, PROMPTS, spec, tokens
 

@@ -36,10 +36,10 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.capabilities import Capabilities
 from kvmux.compat import Compat
 from kvmux.connector import Address, Health
-from kvmux.connectors.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.errors import (
     ClosedError,
     InvalidRequestError,

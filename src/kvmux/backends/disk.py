@@ -8,7 +8,7 @@ set, least recently used files are deleted to stay under the bound; recency
 survives restarts through mtimes.
 
 Integrity (``checksum: true``, the default): each file carries a digest
-(XXH3) of its block bound to its key (:mod:`kvmux.connectors.block_file`),
+(XXH3) of its block bound to its key (:mod:`kvmux.backends.block_file`),
 verified on every load. A file that fails (flipped bytes, a torn write after power loss
 without ``fsync``, another key's block under this name, the wrong size) ends
 its key ``failed`` and is *removed*, so ``lookup`` stops counting it and the
@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from kvmux.backends.block_file import BlockFormat
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
 from kvmux.connector import Address, Connector
-from kvmux.connectors.block_file import BlockFormat
 from kvmux.errors import CapacityError, ConfigError, StorageError
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey

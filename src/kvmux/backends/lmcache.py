@@ -4,7 +4,7 @@ Blocks go through a real ``LMCacheEngine``: its storage manager decides where
 they live (its own CPU tier, a local disk, an ``lm://`` server, a Mooncake
 Store reached as ``mooncakestore://``), and its memory objects hold them in
 LMCache's ``KV_2LTD`` format, converted from the engine's layout by
-:mod:`kvmux.connectors.lmcache_kv`. A kvmux key becomes one LMCache chunk
+:mod:`kvmux.backends.lmcache_kv`. A kvmux key becomes one LMCache chunk
 whose hash is derived from the key, so any process with the same layout and
 namespace finds it, with no token ids and no ``PYTHONHASHSEED``.
 
@@ -137,7 +137,7 @@ class LmcacheConnector(Connector):
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
-        from kvmux.connectors.lmcache_kv import BlockCopyConnector, lmcache_kv_shape
+        from kvmux.backends.lmcache_kv import BlockCopyConnector, lmcache_kv_shape
 
         kv_shape = lmcache_kv_shape(layout)
         copy = BlockCopyConnector(layout, caches)

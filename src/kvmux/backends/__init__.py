@@ -1,0 +1,1 @@
+"""Built-in backends, one module each; they are found through entry points like any plugin."""

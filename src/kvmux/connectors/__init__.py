@@ -1,1 +1,0 @@
-"""Built-in connectors, one module each; they are found through entry points like any plugin."""
