@@ -263,7 +263,7 @@ def _available_connectors() -> list[str]:
     from kvmux.registry.loader import config_model_for
 
     names = []
-    for entry in scan("connectors"):
+    for entry in scan("backends"):
         if entry.unavailable_reason() is not None:
             continue
         try:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmux.config import BackendConfig
 from kvmux.errors import ConfigError, KvmuxError
+from kvmux.problems import problems_of
 from kvmux.registry import parse_config
 
 ADAPTER_KEY = "vllm"
@@ -65,15 +66,7 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, 
     try:
         options = AdapterOptions.model_validate(raw_options)
     except ValidationError as exc:
-        problems = [
-            (
-                ".".join([ADAPTER_KEY, *(str(p) for p in err["loc"])]),
-                err["msg"],
-                err.get("input"),
-            )
-            for err in exc.errors()
-        ]
-        raise ConfigError("vllm adapter", problems) from None
+        raise ConfigError("vllm adapter", problems_of(exc, under=ADAPTER_KEY)) from None
     _, _, backend = parse_config(data)
     return backend, options
 
