@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -168,10 +168,7 @@ def _scan(group: str) -> list[BackendEntry]:
         claims = sorted(by_name[name].values(), key=_precedence)
         winner = claims[0]
         out.append(winner)
-        out.extend(
-            BackendEntry(**{**loser.__dict__, "shadowed_by": winner.distribution})
-            for loser in claims[1:]
-        )
+        out.extend(replace(loser, shadowed_by=winner.distribution) for loser in claims[1:])
     return out
 
 

@@ -36,13 +36,17 @@ def resolve(name: str, groups: tuple[str, ...] = CONNECTOR_GROUPS) -> BackendEnt
     """
     prefix, explicit, bare = name.rpartition(":")
     group = prefix if explicit else groups[0]
-    if group in groups:
-        for entry in scan(group):
-            if entry.name == bare and entry.shadowed_by is None:
-                return entry
-    elsewhere = None if explicit else _declared_elsewhere(bare, groups)
+    found = _winner(group, bare) if group in groups else None
+    if found is not None:
+        return found
+    elsewhere = [] if explicit else [e for g in groups[1:] if (e := _winner(g, bare))]
+    suggestion = elsewhere[0].qualified_name if elsewhere else None
     looked_in = group if group in groups else "/".join(groups)
-    raise UnknownBackendError(name, looked_in, _known(groups), suggestion=elsewhere)
+    raise UnknownBackendError(name, looked_in, _known(groups), suggestion=suggestion)
+
+
+def _winner(group: str, name: str) -> BackendEntry | None:
+    return next((e for e in scan(group) if e.name == name and e.shadowed_by is None), None)
 
 
 def config_name(entry: BackendEntry, groups: tuple[str, ...] = CONNECTOR_GROUPS) -> str:
@@ -53,14 +57,6 @@ def config_name(entry: BackendEntry, groups: tuple[str, ...] = CONNECTOR_GROUPS)
 
 def _known(groups: tuple[str, ...]) -> list[str]:
     return [config_name(e, groups) for g in groups for e in scan(g) if e.shadowed_by is None]
-
-
-def _declared_elsewhere(name: str, groups: tuple[str, ...]) -> str | None:
-    for group in groups[1:]:
-        for entry in scan(group):
-            if entry.name == name and entry.shadowed_by is None:
-                return entry.qualified_name
-    return None
 
 
 def load_class(entry: BackendEntry) -> Any:
