@@ -8,8 +8,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmux-installed
 # torch first and pinned to the CPU build on disk: anything else pulls a
-# multi-GB CUDA build (shared/NOTES.md).
+# multi-GB CUDA build (shared/NOTES.md). The pin lives here only (kvmux's own
+# metadata does not cap torch: a GPU user's vLLM pins its own), as a constraint
+# on every install, so no dependency installed later can move torch.
 TORCH  := torch==2.13.0
+PIN    := $(VENV)/torch-pin.txt
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: setup demo test lint bench bench-serve clean
@@ -20,8 +23,9 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip
-	$(PIP) install $(TORCH)
-	$(PIP) install -e '.[dev,vllm,bench]'
+	echo '$(TORCH)' > $(PIN)
+	$(PIP) install -c $(PIN) $(TORCH)
+	$(PIP) install -c $(PIN) -e '.[dev,vllm,bench,model]'
 	# PyPI's torchvision & co. are CUDA builds that break transformers' imports on
 	# a CPU torch; vLLM does not need them on the CPU, nor triton (shared/NOTES.md).
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
@@ -32,13 +36,13 @@ $(STAMP): pyproject.toml
 	# kvmux[mooncake]: the non-CUDA Transfer Engine needs one system library.
 	dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
 		|| echo "warning: could not install libibverbs1; the mooncake backends will be unavailable"
-	$(PIP) install -e '.[mooncake]'
+	$(PIP) install -c $(PIN) -e '.[mooncake]'
 	# The separate-hosts tests (network namespaces, tc) need iproute2; as root only.
 	dpkg -s iproute2 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } \
 		|| echo "warning: could not install iproute2; the separate-hosts tests will be skipped"
 	# kvmux[lmcache] last: it pins numpy and friends lower, which the rest accepts
 	# (shared/NOTES.md); its cuda.bindings is why nixl-cu13 is installed above.
-	$(PIP) install -e '.[lmcache]'
+	$(PIP) install -c $(PIN) -e '.[lmcache]'
 	touch $@
 
 demo: $(STAMP)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from kvmux.bench.shapes import Shape
 from kvmux.bench.transfer import bench_backend
+from kvmux.cli.main import main
 
 from support import kvmux_cli
 
@@ -51,3 +55,11 @@ def test_cli_config_must_be_a_json_object() -> None:
     proc = kvmux_cli("bench", "--backend", "disk", "--config", "[1]")
     assert proc.returncode == 2
     assert "--config: must be a JSON object" in proc.stderr
+
+
+def test_without_tqdm_the_bench_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` fail
+    assert main(["bench", "--backend", "cpu", "--repeats", "1"]) == 2
+    assert "kvmux bench needs tqdm: pip install 'kvmux[bench]'" in capsys.readouterr().err

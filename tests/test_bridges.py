@@ -10,8 +10,8 @@ import torch
 
 from kvmux.bridges import BufferConnector, PipeLookupBuffer
 from kvmux.connector import Connector
-from kvmux.pipes.tcp import TcpPipe
-from kvmux.registry import create_connector
+from kvmux.pipes.tcp import TcpPipe, TcpPipeConfig
+from kvmux.registry import create_connector, create_pipe
 from kvmux.testing.peer import (
     block_bytes,
     empty_caches,
@@ -114,3 +114,18 @@ def test_a_remote_lookup_counts_only_the_leading_keys_the_producer_holds(
         assert consumer.lookup(keys[5:], conn.address()) == 0
     finally:
         consumer.close()
+
+
+def test_a_pipe_config_model_names_the_pipe_wherever_it_is_passed() -> None:
+    """Its default ``backend`` is ``pipes:tcp``: given to create_connector it is the
+    bridged pipe (never the ``tcp`` backend), given to create_pipe the pipe itself."""
+    config = TcpPipeConfig(timeout_s=3.0)
+    conn = create_connector(config)
+    pipe = create_pipe(config)
+    try:
+        assert isinstance(conn, BufferConnector)
+        assert conn.config is config
+        assert isinstance(pipe, TcpPipe) and pipe.config is config
+    finally:
+        conn.close()
+        pipe.close()

@@ -23,7 +23,14 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plugin"
-NAMES = {"dictstore": "connectors", "sqlite": "buffers", "uds": "pipes"}
+NAMES = {"dictstore": "backends", "sqlite": "buffers", "uds": "pipes"}
+
+
+def configured(name: str) -> str:
+    """How a config (and ``--kvmux-backend``) names it: a buffer or pipe by its group."""
+    return name if NAMES[name] == "backends" else f"{NAMES[name]}:{name}"
+
+
 RUN_TIMEOUT_S = 150
 
 
@@ -73,7 +80,10 @@ def runs(installed: Installed) -> Iterator[dict[str, subprocess.CompletedProcess
     """Every subprocess this module checks, started together and awaited."""
     suite = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs"]
     commands = {
-        name: ([*suite, "--pyargs", "kvmux.testing.suite", "--kvmux-backend", name], installed.site)
+        name: (
+            [*suite, "--pyargs", "kvmux.testing.suite", "--kvmux-backend", configured(name)],
+            installed.site,
+        )
         for name in NAMES
     }
     commands["own-tests"] = ([*suite, str(installed.source / "tests")], installed.source)

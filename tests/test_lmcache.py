@@ -274,7 +274,7 @@ def test_server_killed_mid_load_never_hangs_nor_gives_wrong_bytes() -> None:
 def test_listing_shows_lmcache_available_here_and_the_hint_without_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    entry = next(e for e in entries.scan("connectors") if e.name == "lmcache")
+    entry = next(e for e in entries.scan("backends") if e.name == "lmcache")
     assert entry.extras == ("lmcache",)
     assert entry.unavailable_reason() is None
     real = entries._satisfied

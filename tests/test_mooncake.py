@@ -230,8 +230,8 @@ def test_two_connectors_of_a_process_may_register_the_same_kv(expected: torch.Te
 
 
 def test_listing_shows_both_entries_with_the_mooncake_extra() -> None:
-    found = {(e.group, e.name): e for g in ("connectors", "buffers") for e in entries.scan(g)}
-    for key in (("connectors", "mooncake"), ("buffers", "mooncake-store")):
+    found = {(e.group, e.name): e for g in ("backends", "buffers") for e in entries.scan(g)}
+    for key in (("backends", "mooncake"), ("buffers", "mooncake-store")):
         assert found[key].extras == ("mooncake",)
         assert found[key].unavailable_reason() is None
 
@@ -260,11 +260,13 @@ class TestMooncakeStoreConformance(ConnectorSuite):
 
     @pytest.fixture
     def connector_factory(self, tmp_path: Path, master: str) -> ConnectorFactory:
-        return registry_factory("mooncake-store", store_config(master, tmp_path.name), tmp_path)
+        return registry_factory(
+            "buffers:mooncake-store", store_config(master, tmp_path.name), tmp_path
+        )
 
 
 def test_store_blocks_cross_processes_byte_exact(master: str, expected: torch.Tensor) -> None:
-    config = {"backend": "mooncake-store", **store_config(master, "xproc")}
+    config = {"backend": "buffers:mooncake-store", **store_config(master, "xproc")}
     with spawn_peer(config, N, SEED) as writer:
         reader = create_connector(config)
         try:
@@ -320,6 +322,10 @@ def test_master_down_is_a_clear_error_at_creation() -> None:
     start = time.monotonic()
     with pytest.raises(TransferError, match=r"master .* is unreachable"):
         create_connector(
-            {"backend": "mooncake-store", "timeout_s": 2.0, "master_address": f"127.0.0.1:{port}"}
+            {
+                "backend": "buffers:mooncake-store",
+                "timeout_s": 2.0,
+                "master_address": f"127.0.0.1:{port}",
+            }
         )
     assert time.monotonic() - start < 3

@@ -12,9 +12,9 @@ import pytest
 from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
 from kvmux.connector import Connector
 from kvmux.errors import CapacityError, ConfigError, LayoutError, UnknownBackendError
+from kvmux.multi.config import load_policy
 from kvmux.multi.connector import MultiConnector
 from kvmux.registry import create_connector, parse_config, scan
-from kvmux.registry.factory import load_policy
 from kvmux.registry.loader import config_model_for
 from kvmux.testing.faults import ConnectorWrapper
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory

@@ -161,7 +161,7 @@ def test_mooncake_store_values_cross_hosts_through_a_master_on_a_third() -> None
         ]
         argv += [f"--metrics_host={master}", "--metrics_port=9003"]
         config = {
-            "backend": "mooncake-store",
+            "backend": "buffers:mooncake-store",
             "master_address": f"{master}:{port}",
             "global_segment_bytes": 16 * 2**20,
             "local_buffer_bytes": 16 * 2**20,

@@ -197,7 +197,7 @@ def test_an_idle_agent_burns_no_core() -> None:
 def test_listing_shows_nixl_available_here_and_the_hint_without_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    entry = next(e for e in entries.scan("connectors") if e.name == "nixl")
+    entry = next(e for e in entries.scan("backends") if e.name == "nixl")
     assert entry.extras == ("nixl",)
     assert entry.unavailable_reason() is None
     real = entries._satisfied

@@ -14,9 +14,9 @@ from support import FakeDist, kvmux_cli, run_python
 
 
 def test_builtins_are_declared_through_entry_points() -> None:
-    names = {(e.group, e.name): e.distribution for e in scan("connectors") + scan("pipes")}
+    names = {(e.group, e.name): e.distribution for e in scan("backends") + scan("pipes")}
     for name in ("cpu", "disk", "shm", "tcp"):
-        assert names[("connectors", name)] == "kvmux"
+        assert names[("backends", name)] == "kvmux"
     assert names[("pipes", "tcp")] == "kvmux"
 
 
@@ -33,6 +33,44 @@ def test_unknown_backend_lists_known_names_and_suggests_one() -> None:
 def test_unknown_group_qualifier_is_an_unknown_backend() -> None:
     with pytest.raises(UnknownBackendError):
         resolve("nope:cpu")
+    with pytest.raises(UnknownBackendError):
+        resolve("connectors:cpu")  # the group's name before it was kvmux.backends
+    with pytest.raises(UnknownBackendError):
+        resolve("policies:tiered")  # a group a connector config cannot name
+
+
+def test_a_name_is_looked_up_in_one_group_only() -> None:
+    """``tcp`` is both a backend and a pipe: a bare name is the backend, the pipe is
+    asked for by its group, and neither falls through into the other."""
+    assert resolve("tcp").qualified_name == "backends:tcp"
+    assert resolve("pipes:tcp").qualified_name == "pipes:tcp"
+    assert resolve("tcp", ("pipes",)).qualified_name == "pipes:tcp"
+    with pytest.raises(UnknownBackendError) as err:
+        resolve("tcp", ("buffers",))
+    assert "(looked in buffers)" in str(err.value)
+
+
+def test_a_buffer_named_like_a_backend_is_suggested_with_its_group() -> None:
+    with pytest.raises(UnknownBackendError) as err:
+        resolve("mooncake-store")
+    assert err.value.suggestion == "buffers:mooncake-store"
+    message = str(err.value)
+    assert "unknown backend 'mooncake-store' (looked in backends)." in message
+    assert "Did you mean 'buffers:mooncake-store'?" in message
+    known = message.partition("Known: ")[2]
+    assert known.index("tcp,") < known.index("buffers:mooncake-store") < known.index("pipes:tcp")
+
+
+def test_the_registry_imports_no_policy_and_no_multi() -> None:
+    proc = run_python(
+        """
+        import sys
+        import kvmux.registry.factory, kvmux.registry.loader
+        print([m for m in sys.modules if m.startswith("kvmux.multi")])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_bad_config_names_backend_field_path_and_value() -> None:
@@ -87,16 +125,16 @@ def test_listing_imports_no_backend_and_no_torch() -> None:
 def test_broken_plugin_is_listed_unavailable_and_breaks_nothing(fake_dist: FakeDist) -> None:
     site = fake_dist(
         "kvmux-broken",
-        {"kvmux.connectors": {"broken": "kvmux_broken:Broken"}},
+        {"kvmux.backends": {"broken": "kvmux_broken:Broken"}},
         {"kvmux_broken/__init__.py": "raise RuntimeError('boom at import')\n"},
     )
     proc = kvmux_cli("list", "--json", "--check", pythonpath=site)
     assert proc.returncode == 0, proc.stderr
     rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
-    broken = rows[("connectors", "broken")]
+    broken = rows[("backends", "broken")]
     assert broken["available"] is False
     assert "boom at import" in broken["reason"] and "kvmux-broken" in broken["reason"]
-    assert rows[("connectors", "cpu")]["available"] is True
+    assert rows[("backends", "cpu")]["available"] is True
 
     proc = run_python(
         """
@@ -121,14 +159,14 @@ def test_default_listing_never_calls_an_unimported_plugin_available(
 ) -> None:
     site = fake_dist(
         "kvmux-broken",
-        {"kvmux.connectors": {"broken": "kvmux_broken:Broken"}},
+        {"kvmux.backends": {"broken": "kvmux_broken:Broken"}},
         {"kvmux_broken/__init__.py": "raise RuntimeError('boom at import')\n"},
     )
     proc = kvmux_cli("list", "--json", pythonpath=site)
     assert proc.returncode == 0, proc.stderr
     rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
-    assert rows[("connectors", "broken")]["available"] is None
-    assert rows[("connectors", "broken")]["reason"] is None
+    assert rows[("backends", "broken")]["available"] is None
+    assert rows[("backends", "broken")]["reason"] is None
     assert all(r["available"] is not True for r in rows.values())
 
     proc = kvmux_cli("list", pythonpath=site)
@@ -137,7 +175,7 @@ def test_default_listing_never_calls_an_unimported_plugin_available(
     assert line.endswith("installed (not checked)") and "available" not in line
     assert "`kvmux list --check` imports each" in proc.stdout
 
-    proc = kvmux_cli("list", "--check", "--group", "connectors", pythonpath=site)
+    proc = kvmux_cli("list", "--check", "--group", "backends", pythonpath=site)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if " broken " in x)
     assert "unavailable: importing kvmux_broken:Broken failed" in line
@@ -147,7 +185,7 @@ def test_default_listing_never_calls_an_unimported_plugin_available(
 def test_missing_extra_is_unavailable_with_install_hint(fake_dist: FakeDist) -> None:
     site = fake_dist(
         "kvmux-needs-extra",
-        {"kvmux.connectors": {"needy": "kvmux_needy:Needy [fast]"}},
+        {"kvmux.backends": {"needy": "kvmux_needy:Needy [fast]"}},
         {"kvmux_needy/__init__.py": "Needy = None\n"},
     )
     info = next(site.glob("kvmux_needs_extra-*.dist-info"))
@@ -172,10 +210,10 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
         class Mine(CpuPoolConnector):
             pass
     """
-    fake_dist("zeta-kv", {"kvmux.connectors": {"dup": "zeta_kv:Mine"}}, {"zeta_kv.py": module})
+    fake_dist("zeta-kv", {"kvmux.backends": {"dup": "zeta_kv:Mine"}}, {"zeta_kv.py": module})
     site = fake_dist(
         "alpha-kv",
-        {"kvmux.connectors": {"dup": "alpha_kv:Mine", "cpu": "alpha_kv:Mine"}},
+        {"kvmux.backends": {"dup": "alpha_kv:Mine", "cpu": "alpha_kv:Mine"}},
         {"alpha_kv.py": module},
     )
     expected_losers = {("dup", "zeta-kv", "alpha-kv"), ("cpu", "alpha-kv", "kvmux")}
@@ -210,7 +248,7 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
 def test_entry_point_that_is_not_a_connector_is_refused(fake_dist: FakeDist) -> None:
     site = fake_dist(
         "kvmux-wrong",
-        {"kvmux.connectors": {"wrong": "kvmux_wrong:thing"}},
+        {"kvmux.backends": {"wrong": "kvmux_wrong:thing"}},
         {"kvmux_wrong.py": "thing = 42\n"},
     )
     proc = run_python(
@@ -247,10 +285,10 @@ def test_listing_says_which_servers_are_open_to_anyone_who_reaches_their_port() 
     assert proc.returncode == 0, proc.stderr
     rows = {(r["group"], r["name"]): r for r in json.loads(proc.stdout)}
     for name in ("tcp", "shm"):
-        note = rows[("connectors", name)]["note"]
+        note = rows[("backends", name)]["note"]
         assert note is not None and "open to anyone" in note and "`secret`" in note
     assert "no authentication" in (rows[("pipes", "tcp")]["note"] or "")
-    assert rows[("connectors", "cpu")]["note"] is None
+    assert rows[("backends", "cpu")]["note"] is None
     table = kvmux_cli("list")
     assert table.returncode == 0, table.stderr
     assert "without a `secret`, anyone who reaches the port" in table.stdout

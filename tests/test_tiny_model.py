@@ -262,8 +262,8 @@ def test_missing_extra_is_named_in_the_error(
 ) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
 
-    with pytest.raises(ImportError, match=r"pip install 'kvmux\[vllm\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'kvmux\[model\]'"):
         tiny_model(SMALL, cache_dir=tmp_path)
     assert main(["model", "--cache-dir", str(tmp_path)]) == 2
-    assert "kvmux[vllm]" in capsys.readouterr().err
+    assert "kvmux[model]" in capsys.readouterr().err
     assert [p for p in tmp_path.iterdir() if p.is_dir()] == []

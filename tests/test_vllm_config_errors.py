@@ -21,12 +21,14 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.plugins import load_general_plugins
 
+from kvmux.adapters.vllm import config as vllm_config
 from kvmux.adapters.vllm import preflight
 from kvmux.adapters.vllm.config import ExtraConfigError
 from kvmux.adapters.vllm.connector import KvmuxConnector
 from kvmux.demo.run import server_args
 from kvmux.demo.servers import VllmServer
 from kvmux.errors import ConfigError, UnknownBackendError
+from kvmux.registry import parse_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,6 +102,28 @@ def test_a_kvmux_child_of_vllms_multi_connector_is_checked_while_vllm_builds_its
 def test_other_connectors_resolve_as_before_whatever_their_extra_config() -> None:
     config = _transfer({"backend": "shmm", "anything": 1}, kv_connector="ExampleConnector")
     assert KVConnectorFactory.get_connector_class(config).__name__ == "ExampleConnector"
+
+
+def test_a_config_is_validated_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM resolves the class (checked there) right before it builds each role's
+    connector, which reads the same config: the second read reuses the first."""
+    validations: list[object] = []
+
+    def counting(data: Any) -> Any:
+        validations.append(data)
+        return parse_config(data)
+
+    monkeypatch.setattr(vllm_config, "parse_config", counting)
+    extra = {"backend": "cpu", "capacity_bytes": 3 * 2**20, "vllm": {"lease_s": 7.0}}
+    for _ in range(2):
+        assert KVConnectorFactory.get_connector_class(_transfer(extra)) is KvmuxConnector
+    backend, options = vllm_config.split_extra_config(dict(extra))
+    assert len(validations) == 1
+    assert backend.model_dump()["capacity_bytes"] == 3 * 2**20 and options.lease_s == 7.0
+    for _ in range(2):  # a refused config is never remembered
+        with pytest.raises(ExtraConfigError):
+            KVConnectorFactory.get_connector_class(_transfer({**extra, "capacity_bytes": -1}))
+    assert len(validations) == 3
 
 
 def test_installing_twice_wraps_once() -> None:

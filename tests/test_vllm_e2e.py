@@ -129,7 +129,7 @@ def test_mooncake_store_blocks_reach_a_fresh_engine(model, reference):
     stays up meanwhile, as in a deployment."""
     with run_master() as (master, _):
         backend = {
-            "backend": "mooncake-store",
+            "backend": "buffers:mooncake-store",
             "master_address": master,
             "global_segment_bytes": 32 * 2**20,
             "local_buffer_bytes": 32 * 2**20,

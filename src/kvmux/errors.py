@@ -11,6 +11,10 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
+ConfigProblem = tuple[str, str, Any]
+"""``(path, message, value)``: one field of a config that does not validate; ``path``
+is dotted (``children.1.capacity_bytes``), empty for the config as a whole."""
+
 
 class KvmuxError(Exception):
     """Base class of every error kvmux raises on purpose."""
@@ -19,12 +23,17 @@ class KvmuxError(Exception):
 class UnknownBackendError(KvmuxError, LookupError):
     """A name that no installed distribution declares in the group asked for."""
 
-    def __init__(self, name: str, group: str, known: Iterable[str]) -> None:
+    def __init__(
+        self, name: str, group: str, known: Iterable[str], suggestion: str | None = None
+    ) -> None:
+        """``known`` is listed in the order given (group by group); ``suggestion``
+        overrides the closest known name (the same name in another group, which has
+        to be asked for explicitly)."""
         self.name = name
         self.group = group
-        self.known = sorted(set(known))
+        self.known = list(dict.fromkeys(known))
         close = difflib.get_close_matches(name, self.known, n=1, cutoff=0.6)
-        self.suggestion = close[0] if close else None
+        self.suggestion = suggestion or (close[0] if close else None)
         hint = f" Did you mean {self.suggestion!r}?" if self.suggestion else ""
         names = ", ".join(self.known) or "(none installed)"
         super().__init__(f"unknown backend {name!r} (looked in {group}).{hint} Known: {names}.")
@@ -43,7 +52,7 @@ class BackendUnavailableError(KvmuxError, ImportError):
 class ConfigError(KvmuxError, ValueError):
     """A backend config that does not validate; names the backend, field path and value."""
 
-    def __init__(self, backend: str | None, problems: list[tuple[str, str, Any]]) -> None:
+    def __init__(self, backend: str | None, problems: list[ConfigProblem]) -> None:
         self.backend = backend
         self.problems = problems
         where = f"backend {backend!r}" if backend else "kvmux config"

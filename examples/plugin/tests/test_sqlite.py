@@ -1,6 +1,6 @@
 """The conformance suite on the sqlite LookupBuffer, bridged to a Connector.
 
-The factory builds what the registry builds for ``{"backend": "sqlite"}``: a
+The factory builds what the registry builds for ``{"backend": "buffers:sqlite"}``: a
 ``BufferConnector`` around the buffer. Every instance opens the same file, so
 the suite's reopen tests see the blocks persist.
 """

@@ -1,5 +1,5 @@
 """``mooncake-store``: Mooncake Store as a LookupBuffer (and, through
-:class:`~kvmux.bridges.BufferConnector`, as a Connector).
+:class:`~kvmux.bridges.BufferConnector`, as a Connector: ``buffers:mooncake-store``).
 
 Mooncake Store is a distributed key-value store for KV cache: a master
 (``mooncake_master``) keeps the index; every client contributes a *global
@@ -51,7 +51,7 @@ _MISSING = -704
 
 
 class MooncakeStoreConfig(BackendConfig):
-    backend: str = "mooncake-store"
+    backend: str = "buffers:mooncake-store"
     master_address: str = Field(
         "127.0.0.1:50051", pattern=r"^[^:\s]+:[0-9]{1,5}$", description="mooncake_master host:port"
     )

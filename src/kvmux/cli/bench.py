@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvmux.bench.shapes import SHAPES
+from kvmux.errors import KvmuxError
 
 if TYPE_CHECKING:
     from kvmux.bench.transfer import BenchRecord
@@ -140,6 +141,15 @@ def _listed(values: Sequence[float]) -> str:
     return ",".join(f"{v:g}" for v in values)
 
 
+def _progress_bar() -> Any:
+    """tqdm's bar class; it is the bench extra's, not a core requirement."""
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise KvmuxError(f"kvmux bench needs tqdm: pip install 'kvmux[bench]' ({exc})") from exc
+    return tqdm
+
+
 def run(args: argparse.Namespace) -> int:
     if args.suite == "serve":
         return _run_serve(args)
@@ -147,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_vllm(args)
     if args.suite == "multi":
         return _run_multi(args)
-    from tqdm import tqdm
-
+    tqdm = _progress_bar()
     from kvmux.bench.transfer import bench_backend, lookup_ms
 
     backends = args.backend or _available_connectors()
@@ -226,7 +235,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvmux.bench.serve.run import run_serve
     from kvmux.bench.serve.settings import ServeSettings
     from kvmux.bench.serve.workload import RequestMix
-    from kvmux.errors import KvmuxError
 
     try:
         settings = ServeSettings(
@@ -258,12 +266,11 @@ def _available_connectors() -> list[str]:
     from pathlib import Path
 
     from kvmux.config import invent_paths
-    from kvmux.errors import KvmuxError
     from kvmux.registry.entries import scan
     from kvmux.registry.loader import config_model_for
 
     names = []
-    for entry in scan("connectors"):
+    for entry in scan("backends"):
         if entry.unavailable_reason() is not None:
             continue
         try:

@@ -75,7 +75,7 @@ def _availability(entry: BackendEntry, check: bool) -> tuple[bool | None, str | 
         return False, reason
     if not check:
         return None, None
-    from kvmux.registry.loader import load_check  # imports stevedore only when asked
+    from kvmux.registry.loader import load_check  # imports pydantic only when asked
 
     reason = load_check(entry)
     return reason is None, reason

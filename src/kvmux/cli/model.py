@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvmux.errors import ConfigError
+from kvmux.problems import problems_of
 
 #: CLI option -> TinyModelSpec field. Options default to None so that the
 #: spec's own defaults stay the single source of truth.
@@ -53,11 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = TinyModelSpec(**given)
     except ValidationError as exc:
-        problems = [
-            (".".join(str(part) for part in err["loc"]), err["msg"], err.get("input"))
-            for err in exc.errors()
-        ]
-        raise ConfigError(None, problems) from None
+        raise ConfigError(None, problems_of(exc)) from None
     try:
         with contextlib.redirect_stdout(sys.stderr):
             path = tiny_model(spec, args.cache_dir)

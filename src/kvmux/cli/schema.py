@@ -10,7 +10,9 @@ from kvmux.errors import BackendUnavailableError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", help="backend name (group:name to qualify)")
+    parser.add_argument(
+        "name", nargs="?", help="backend name (buffers:NAME or pipes:NAME for a buffer or pipe)"
+    )
 
 
 def schema_for(name: str) -> dict[str, Any]:
@@ -23,14 +25,15 @@ def run(args: argparse.Namespace) -> int:
     if args.name:
         print(json.dumps(schema_for(args.name), indent=2))
         return 0
-    from kvmux.registry.entries import scan
+    from kvmux.registry.entries import CONNECTOR_GROUPS, scan
+    from kvmux.registry.loader import config_name
 
     out: dict[str, Any] = {}
-    for group in ("connectors", "buffers", "pipes"):
+    for group in CONNECTOR_GROUPS:
         for entry in scan(group):
             if entry.shadowed_by is not None:
                 continue
-            key = entry.name if group == "connectors" else entry.qualified_name
+            key = config_name(entry)
             try:
                 out[key] = schema_for(entry.qualified_name)
             except BackendUnavailableError as exc:

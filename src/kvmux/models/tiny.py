@@ -52,7 +52,7 @@ MARKER_FILE = "kvmux_tiny_model.json"
 NUM_SPECIAL_TOKENS = 3
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
 
-MISSING_EXTRA = "the tiny model needs the vllm extra: pip install 'kvmux[vllm]'"
+MISSING_EXTRA = "building the tiny model needs the model extra: pip install 'kvmux[model]'"
 
 #: Concatenates role and content, one message a line. Deliberately trivial: it
 #: only has to make vLLM's /v1/chat/completions produce *some* prompt.

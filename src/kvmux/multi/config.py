@@ -19,15 +19,14 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.errors import BackendUnavailableError, UnknownBackendError
+from kvmux.errors import BackendUnavailableError, ConfigProblem, UnknownBackendError
 from kvmux.multi.breaker import BreakerConfig
 from kvmux.multi.policy import ChildSpec, Policy, PolicyOptions, Problem
-from kvmux.registry.factory import load_policy
-from kvmux.registry.loader import NestedConfig, load_class, resolve
+from kvmux.problems import as_validation_error, dotted, problems_of
+from kvmux.registry.loader import NestedConfig, check_kind, load_class, resolve
 
 
 class MultiConfig(BackendConfig):
@@ -53,16 +52,17 @@ class MultiConfig(BackendConfig):
         try:
             policy = load_policy(self.policy)
         except (UnknownBackendError, BackendUnavailableError) as exc:
-            raise _invalid([(("policy",), _policy_problem(exc), self.policy)]) from None
+            raise _invalid([("policy", _policy_problem(exc), self.policy)]) from None
         try:
             options = policy.options_model.model_validate(self.model_extra or {})
         except ValidationError as exc:
-            errors = exc.errors()
-            raise _invalid([(e["loc"], e["msg"], e.get("input")) for e in errors]) from None
+            raise _invalid(problems_of(exc)) from None
         specs = [ChildSpec(i, c, partial(_declared, c)) for i, c in enumerate(self.children)]
         problems = _shared_paths(self.children) + policy.check(options, specs)
         if problems:
-            raise _invalid([(where, what, self._value_at(where)) for where, what in problems])
+            raise _invalid(
+                [(dotted(where), what, self._value_at(where)) for where, what in problems]
+            )
         self._policy, self._options = policy, options
         return self
 
@@ -89,6 +89,14 @@ class MultiConfig(BackendConfig):
         return value
 
 
+def load_policy(name: str) -> type[Policy]:
+    """The policy called ``name`` (entry-point group ``kvmux.policies``), imported on
+    first use; UnknownBackendError with a did-you-mean otherwise."""
+    entry = resolve(name, ("policies",))
+    policy: type[Policy] = check_kind(entry, load_class(entry), Policy)
+    return policy
+
+
 def _policy_problem(exc: UnknownBackendError | BackendUnavailableError) -> str:
     if isinstance(exc, BackendUnavailableError):
         return str(exc)
@@ -101,7 +109,7 @@ def _declared(config: BackendConfig) -> Capabilities:
     behind a bridge gives each block away on load)."""
     entry = resolve(config.backend)
     caps: Capabilities = getattr(load_class(entry), "capabilities", Capabilities())
-    if entry.group != "connectors":
+    if entry.group != "backends":
         caps = replace(caps, consumes_on_load=True)
     return caps
 
@@ -139,15 +147,5 @@ def _paths_in(value: Any) -> Iterator[Path]:
             yield from _paths_in(item)
 
 
-def _invalid(problems: Sequence[tuple[tuple[str | int, ...], str, Any]]) -> ValidationError:
-    return ValidationError.from_exception_data(
-        "multi config",
-        [
-            InitErrorDetails(
-                type=PydanticCustomError("multi_config", "{message}", {"message": msg}),
-                loc=tuple(loc),
-                input=value,
-            )
-            for loc, msg, value in problems
-        ],
-    )
+def _invalid(problems: Sequence[ConfigProblem]) -> ValidationError:
+    return as_validation_error("multi config", problems)

@@ -44,7 +44,7 @@ _MAX_HEADER_BYTES = 16 * 1024
 
 
 class TcpPipeConfig(BackendConfig):
-    backend: str = "tcp"
+    backend: str = "pipes:tcp"
     host: str = Field("127.0.0.1", description="address the endpoint listens on")
     port: int = Field(0, ge=0, le=65535, description="listening port; 0 picks a free one")
     max_frame_bytes: int = Field(

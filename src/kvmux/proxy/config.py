@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from kvmux.errors import KvmuxError
+from kvmux.problems import problems_of
 
 
 def _http_url(url: str) -> str:
@@ -113,9 +114,13 @@ def config_from_flags(**flags: object) -> ProxyConfig:
     try:
         return ProxyConfig.model_validate(flags)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = [str(part) for part in err["loc"]]
-            flag = "--" + loc[0].replace("_", "-") if loc else "<flags>"
-            lines.append(f"  {flag} {err['input']!r}: {err['msg']}")
+        lines = [
+            f"  {_flag(path)} {value!r}: {message}" for path, message, value in problems_of(exc)
+        ]
         raise ProxyConfigError("invalid kvmux proxy settings:\n" + "\n".join(lines)) from None
+
+
+def _flag(path: str) -> str:
+    """The command-line flag a config path comes from (``prefill.0`` -> ``--prefill``)."""
+    field = path.partition(".")[0]
+    return "--" + field.replace("_", "-") if field else "<flags>"

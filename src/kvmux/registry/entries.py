@@ -13,12 +13,16 @@ import importlib.util
 import os
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-GROUPS: tuple[str, ...] = ("connectors", "buffers", "pipes", "policies")
+GROUPS: tuple[str, ...] = ("backends", "buffers", "pipes", "policies")
 """Short group names; the entry-point group is ``kvmux.<short>``."""
+
+CONNECTOR_GROUPS: tuple[str, ...] = ("backends", "buffers", "pipes")
+"""The groups a connector config may name: a backend by its bare name, a lookup
+buffer or a pipe (bridged to a connector) as ``buffers:NAME`` / ``pipes:NAME``."""
 
 OWN_DISTRIBUTION = "kvmux"
 
@@ -33,12 +37,21 @@ class BackendEntry:
 
     name: str
     group: str
-    value: str
     distribution: str
     version: str
-    extras: tuple[str, ...] = ()
+    entry_point: md.EntryPoint = field(compare=False, repr=False)
     shadowed_by: str | None = None
     """Set when another distribution declares the same name and wins."""
+
+    @property
+    def value(self) -> str:
+        """``module:object``, as the entry point declares it."""
+        return self.entry_point.value
+
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """The distribution's extras the entry point needs (``name = mod:obj [extra]``)."""
+        return tuple(self.entry_point.extras)
 
     @property
     def module(self) -> str:
@@ -47,6 +60,12 @@ class BackendEntry:
     @property
     def qualified_name(self) -> str:
         return f"{self.group}:{self.name}"
+
+    @property
+    def config_name(self) -> str:
+        """What a connector config's ``backend`` field says to pick this entry: the bare
+        name for a backend, ``group:name`` for a buffer or pipe (nothing falls through)."""
+        return self.name if self.group == CONNECTOR_GROUPS[0] else self.qualified_name
 
     def install_hint(self) -> str:
         extras = f"[{','.join(self.extras)}]" if self.extras else ""
@@ -138,10 +157,9 @@ def _scan(group: str) -> list[BackendEntry]:
         entry = BackendEntry(
             name=ep.name,
             group=group,
-            value=ep.value,
             distribution=dist_name,
             version=version,
-            extras=tuple(ep.extras),
+            entry_point=ep,
         )
         # The same distribution seen twice on sys.path counts once.
         by_name[ep.name].setdefault(_canonical(dist_name), entry)
@@ -150,10 +168,7 @@ def _scan(group: str) -> list[BackendEntry]:
         claims = sorted(by_name[name].values(), key=_precedence)
         winner = claims[0]
         out.append(winner)
-        out.extend(
-            BackendEntry(**{**loser.__dict__, "shadowed_by": winner.distribution})
-            for loser in claims[1:]
-        )
+        out.extend(replace(loser, shadowed_by=winner.distribution) for loser in claims[1:])
     return out
 
 

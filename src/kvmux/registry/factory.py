@@ -1,62 +1,48 @@
-"""Building connectors, buffers and pipes from configs."""
+"""Building connectors, buffers and pipes from configs.
+
+Each builder checks that what the entry point names is the kind it builds
+(:func:`~kvmux.registry.loader.check_kind`); other users of the registry (the
+multi's policies) check their own kinds where they load them.
+"""
 
 from __future__ import annotations
 
 from kvmux.bridges import BufferConnector, PipeLookupBuffer
 from kvmux.buffer import LookupBuffer
 from kvmux.connector import Connector
-from kvmux.errors import BackendUnavailableError
-from kvmux.multi.policy import Policy
 from kvmux.pipe import Pipe
-from kvmux.registry.loader import ConfigLike, load_class, parse_config, resolve
+from kvmux.registry.loader import ConfigLike, check_kind, parse_config
 
-_KINDS = {"connectors": Connector, "buffers": LookupBuffer, "pipes": Pipe, "policies": Policy}
+BACKEND_BASE = Connector
+"""What a ``kvmux.backends`` entry point must name a subclass of."""
 
 
 def create_connector(config: ConfigLike) -> Connector:
     """A ready Connector from ``{"backend": NAME, ...}`` (a dict, JSON text or a model).
 
-    NAME may be a connector, a lookup buffer or a pipe; the latter two are
-    bridged to a Connector (see :mod:`kvmux.bridges`).
+    NAME is a backend; ``buffers:NAME`` and ``pipes:NAME`` name a lookup buffer
+    or a pipe, bridged to a Connector (see :mod:`kvmux.bridges`).
     """
     entry, cls, cfg = parse_config(config)
-    _check_kind(entry.name, entry.group, cls)
-    if entry.group == "connectors":
-        connector: Connector = cls(cfg)
-        return connector
     if entry.group == "buffers":
-        return BufferConnector(cls(cfg), cfg)
-    pipe: Pipe = cls(cfg)
-    return BufferConnector(PipeLookupBuffer(pipe, cfg), cfg)
+        buffer: LookupBuffer = check_kind(entry, cls, LookupBuffer)(cfg)
+        return BufferConnector(buffer, cfg)
+    if entry.group == "pipes":
+        pipe: Pipe = check_kind(entry, cls, Pipe)(cfg)
+        return BufferConnector(PipeLookupBuffer(pipe, cfg), cfg)
+    connector: Connector = check_kind(entry, cls, BACKEND_BASE)(cfg)
+    return connector
 
 
 def create_buffer(config: ConfigLike) -> LookupBuffer:
+    """A LookupBuffer from ``{"backend": NAME, ...}``, NAME in ``kvmux.buffers``."""
     entry, cls, cfg = parse_config(config, ("buffers",))
-    _check_kind(entry.name, entry.group, cls)
-    buffer: LookupBuffer = cls(cfg)
+    buffer: LookupBuffer = check_kind(entry, cls, LookupBuffer)(cfg)
     return buffer
 
 
 def create_pipe(config: ConfigLike) -> Pipe:
+    """A Pipe from ``{"backend": NAME, ...}``, NAME in ``kvmux.pipes``."""
     entry, cls, cfg = parse_config(config, ("pipes",))
-    _check_kind(entry.name, entry.group, cls)
-    pipe: Pipe = cls(cfg)
+    pipe: Pipe = check_kind(entry, cls, Pipe)(cfg)
     return pipe
-
-
-def load_policy(name: str) -> type[Policy]:
-    """The MultiConnector policy called ``name`` (entry-point group ``kvmux.policies``),
-    imported on first use; UnknownBackendError with a did-you-mean otherwise."""
-    entry = resolve(name, ("policies",))
-    cls = load_class(entry)
-    _check_kind(entry.name, entry.group, cls)
-    policy: type[Policy] = cls
-    return policy
-
-
-def _check_kind(name: str, group: str, cls: object) -> None:
-    base = _KINDS[group]
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise BackendUnavailableError(
-            name, group, f"entry point names {cls!r}, which is not a {base.__name__} subclass"
-        )

@@ -1,94 +1,95 @@
 """Turning a name or a config into a live backend.
 
-Resolution order for a connector name: the ``kvmux.connectors`` group, then
-``kvmux.buffers`` (wrapped in a BufferConnector), then ``kvmux.pipes``
-(wrapped in a PipeLookupBuffer and a BufferConnector). ``group:name``
-(``pipes:tcp``) picks a group explicitly. Only the chosen entry point is
-imported, through stevedore's DriverManager.
+A name is looked up in exactly one entry-point group; groups never fall through
+into each other (``tcp`` is a backend and ``pipes:tcp`` a pipe). Where a
+connector config names its backend, a bare name is a ``kvmux.backends`` entry,
+and a lookup buffer or pipe (bridged to a connector) is asked for as
+``buffers:NAME`` or ``pipes:NAME``. Only the chosen entry point is imported.
+Whether the imported object is the kind its caller needs (a Connector, a
+Policy...) is the caller's check, :func:`check_kind`: the registry knows
+groups, not what lives in them.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, SerializeAsAny, ValidationError, WithJsonSchema
-from pydantic_core import InitErrorDetails, PydanticCustomError
-from stevedore import driver
-from stevedore.exception import NoUniqueMatch
 
 from kvmux.config import BackendConfig
 from kvmux.errors import BackendUnavailableError, ConfigError, UnknownBackendError
-from kvmux.registry.entries import GROUPS, BackendEntry, entry_point_group, scan
+from kvmux.problems import as_validation_error, problems_of
+from kvmux.registry.entries import CONNECTOR_GROUPS, BackendEntry, scan
 
 ConfigLike = Mapping[str, Any] | str | BackendConfig
 
-_CONNECTOR_SEARCH = ("connectors", "buffers", "pipes")
+
+def resolve(name: str, groups: tuple[str, ...] = CONNECTOR_GROUPS) -> BackendEntry:
+    """The winning entry for ``name`` in one group: ``groups[0]`` for a bare name,
+    GROUP for ``GROUP:name`` (GROUP one of ``groups``).
+
+    UnknownBackendError otherwise, listing every name ``groups`` accept as it is
+    written (:func:`config_name`); a bare name that another of ``groups``
+    declares is suggested in its explicit form (``buffers:mooncake-store``).
+    """
+    prefix, explicit, bare = name.rpartition(":")
+    group = prefix if explicit else groups[0]
+    found = _winner(group, bare) if group in groups else None
+    if found is not None:
+        return found
+    elsewhere = [] if explicit else [e for g in groups[1:] if (e := _winner(g, bare))]
+    suggestion = elsewhere[0].qualified_name if elsewhere else None
+    looked_in = group if group in groups else "/".join(groups)
+    raise UnknownBackendError(name, looked_in, _known(groups), suggestion=suggestion)
 
 
-def resolve(name: str, groups: tuple[str, ...] = _CONNECTOR_SEARCH) -> BackendEntry:
-    """The winning entry for ``name`` (optionally ``group:name``) in the first group
-    that declares it; UnknownBackendError with the known names otherwise."""
-    group_prefix, sep, bare = name.rpartition(":")
-    if sep:
-        if group_prefix not in GROUPS:
-            raise UnknownBackendError(name, "/".join(groups), _known(groups))
-        groups = (group_prefix,)
-        name = bare
-    for group in groups:
-        for entry in scan(group):
-            if entry.name == name and entry.shadowed_by is None:
-                return entry
-    raise UnknownBackendError(name, "/".join(groups), _known(groups))
+def _winner(group: str, name: str) -> BackendEntry | None:
+    return next((e for e in scan(group) if e.name == name and e.shadowed_by is None), None)
 
 
-def load_class(entry: BackendEntry) -> type[Any]:
-    """Import the entry's object; BackendUnavailableError with an install hint if it fails."""
+def config_name(entry: BackendEntry, groups: tuple[str, ...] = CONNECTOR_GROUPS) -> str:
+    """How a config names ``entry`` where ``groups`` are accepted: bare in ``groups[0]``,
+    ``group:name`` in the others."""
+    return entry.name if entry.group == groups[0] else entry.qualified_name
+
+
+def _known(groups: tuple[str, ...]) -> list[str]:
+    return [config_name(e, groups) for g in groups for e in scan(g) if e.shadowed_by is None]
+
+
+def load_class(entry: BackendEntry) -> Any:
+    """Import the entry's object; BackendUnavailableError with an install hint if it fails.
+
+    The winning entry point alone is imported, even when other distributions
+    declare the same name (they are listed as shadowed, never imported).
+    """
     reason = entry.unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(entry.name, entry.group, reason)
-    if any(e.name == entry.name and e.shadowed_by for e in scan(entry.group)):
-        return _load_winner(entry)
-    failures: list[BaseException] = []
-
-    def on_failure(_mgr: object, _ep: object, exc: BaseException) -> None:
-        failures.append(exc)
-
     try:
-        mgr: driver.DriverManager[Any] = driver.DriverManager(
-            namespace=entry_point_group(entry.group),
-            name=entry.name,
-            invoke_on_load=False,
-            on_load_failure_callback=on_failure,
+        return entry.entry_point.load()
+    except Exception as exc:
+        raise BackendUnavailableError(
+            entry.name,
+            entry.group,
+            f"importing {entry.value} failed: {type(exc).__name__}: {exc}; "
+            f"check the installation of {entry.distribution!r} ({entry.install_hint()})",
+        ) from exc
+
+
+def check_kind(entry: BackendEntry, loaded: object, base: type) -> type[Any]:
+    """``loaded`` (what ``entry`` names), checked to be a subclass of ``base``, the kind
+    its caller needs; BackendUnavailableError naming what it is otherwise. (``base`` is
+    a plain ``type``: the kinds are abstract classes, which mypy refuses as ``type[T]``.)"""
+    if not (isinstance(loaded, type) and issubclass(loaded, base)):
+        raise BackendUnavailableError(
+            entry.name,
+            entry.group,
+            f"entry point names {loaded!r}, which is not a {base.__name__} subclass",
         )
-        loaded: type[Any] = cast(type[Any], mgr.driver)
-    except NoUniqueMatch as exc:
-        raise _import_failed(entry, failures[0] if failures else exc) from None
     return loaded
-
-
-def _load_winner(entry: BackendEntry) -> type[Any]:
-    """Several distributions declare the name: import only the winner's entry point
-    (stevedore's DriverManager would import every claimant and refuse)."""
-    for ep in md.entry_points(group=entry_point_group(entry.group), name=entry.name):
-        if ep.dist is not None and ep.dist.metadata["Name"] == entry.distribution:
-            try:
-                loaded: type[Any] = ep.load()
-            except Exception as exc:
-                raise _import_failed(entry, exc) from exc
-            return loaded
-    raise BackendUnavailableError(entry.name, entry.group, "entry point vanished")
-
-
-def _import_failed(entry: BackendEntry, cause: BaseException) -> BackendUnavailableError:
-    return BackendUnavailableError(
-        entry.name,
-        entry.group,
-        f"importing {entry.value} failed: {type(cause).__name__}: {cause}; "
-        f"check the installation of {entry.distribution!r} ({entry.install_hint()})",
-    )
 
 
 def load_check(entry: BackendEntry) -> str | None:
@@ -112,11 +113,16 @@ def config_model_for(name: str) -> type[BackendConfig]:
 
 
 def parse_config(
-    config: ConfigLike, groups: tuple[str, ...] = _CONNECTOR_SEARCH
-) -> tuple[BackendEntry, type[Any], BackendConfig]:
-    """Validate ``{"backend": NAME, ...}`` against NAME's own config model."""
-    data = _as_mapping(config)
-    name = data.get("backend")
+    config: ConfigLike, groups: tuple[str, ...] = CONNECTOR_GROUPS
+) -> tuple[BackendEntry, Any, BackendConfig]:
+    """Validate ``{"backend": NAME, ...}`` against NAME's own config model (a model
+    that already is one is returned as it is: validated once)."""
+    if isinstance(config, BackendConfig):
+        name: Any = config.backend
+        data: Mapping[str, Any] | None = None
+    else:
+        data = _as_mapping(config)
+        name = data.get("backend")
     if not isinstance(name, str) or not name:
         raise ConfigError(None, [("backend", "a backend name is required", name)])
     entry = resolve(name, groups)
@@ -124,19 +130,14 @@ def parse_config(
     model = config_model_of(cls)
     if isinstance(config, model):
         return entry, cls, config
+    raw = config.model_dump() if isinstance(config, BackendConfig) else dict(data or {})
     try:
-        return entry, cls, model.model_validate(dict(data))
+        return entry, cls, model.model_validate(raw)
     except ValidationError as exc:
-        problems = [
-            (".".join(str(part) for part in err["loc"]), err["msg"], err.get("input"))
-            for err in exc.errors()
-        ]
-        raise ConfigError(name, problems) from None
+        raise ConfigError(name, problems_of(exc)) from None
 
 
-def _as_mapping(config: ConfigLike) -> Mapping[str, Any]:
-    if isinstance(config, BackendConfig):
-        return config.model_dump()
+def _as_mapping(config: str | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(config, str):
         try:
             loaded = json.loads(config)
@@ -148,10 +149,6 @@ def _as_mapping(config: ConfigLike) -> Mapping[str, Any]:
     if not isinstance(config, Mapping):
         raise ConfigError(None, [("", "a config must be a mapping", config)])
     return config
-
-
-def _known(groups: tuple[str, ...]) -> list[str]:
-    return [e.name for g in groups for e in scan(g) if e.shadowed_by is None]
 
 
 def nested_config(value: Any) -> BackendConfig:
@@ -166,21 +163,12 @@ def nested_config(value: Any) -> BackendConfig:
     try:
         _, _, config = parse_config(value)
     except ConfigError as exc:
-        details = [_error_detail(path, msg, got) for path, msg, got in exc.problems]
+        problems = exc.problems
     except (UnknownBackendError, BackendUnavailableError) as exc:
-        details = [_error_detail("backend", str(exc), exc.name)]
+        problems = [("backend", str(exc), exc.name)]
     else:
         return config
-    raise ValidationError.from_exception_data("nested backend config", details)
-
-
-def _error_detail(path: str, msg: str, value: Any) -> InitErrorDetails:
-    loc = tuple(int(part) if part.isdigit() else part for part in path.split(".") if part)
-    return InitErrorDetails(
-        type=PydanticCustomError("nested_config", "{message}", {"message": msg}),
-        loc=loc,
-        input=value,
-    )
+    raise as_validation_error("nested backend config", problems)
 
 
 NestedConfig = Annotated[

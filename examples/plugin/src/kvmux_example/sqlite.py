@@ -31,7 +31,7 @@ DEFAULT_FILE = "kvmux.sqlite3"
 
 
 class SqliteConfig(BackendConfig):
-    backend: str = "sqlite"
+    backend: str = "buffers:sqlite"
     path: Path = Field(description=f"database file, or a directory to hold {DEFAULT_FILE}")
     poll_s: float = Field(0.005, gt=0, description="interval at which drop_select re-checks")
 

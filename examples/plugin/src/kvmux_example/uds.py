@@ -40,7 +40,7 @@ MAX_SOCKET_PATH = 100
 
 
 class UdsPipeConfig(BackendConfig):
-    backend: str = "uds"
+    backend: str = "pipes:uds"
     path: Path | None = Field(
         None, description="directory for this endpoint's socket file; None: a new temp dir"
     )

@@ -8,6 +8,7 @@ kvmux's config already knows this one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmux.config import BackendConfig
 from kvmux.errors import ConfigError, KvmuxError
+from kvmux.problems import problems_of
 from kvmux.registry import parse_config
 
 ADAPTER_KEY = "vllm"
@@ -47,9 +49,28 @@ class AdapterOptions(BaseModel):
     )
 
 
+_validated: dict[str, tuple[BackendConfig, AdapterOptions]] = {}
+"""Extra configs this process has validated, by their canonical JSON text."""
+
+
 def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, AdapterOptions]:
-    """Validate ``kv_connector_extra_config``; errors name the field path and value."""
-    data = dict(extra or {})
+    """Validate ``kv_connector_extra_config``; errors name the field path and value.
+
+    Once per process and config: vLLM's factory resolves the connector class
+    (where :mod:`~kvmux.adapters.vllm.preflight` checks the config) right before
+    it builds the connector of each role, which reads the same config again; the
+    second read gets the first's result (both models are frozen). Validation
+    imports the backend and, for a ``multi``, every child and the policy. A
+    refused config is not remembered: it raises each time.
+    """
+    key = json.dumps(extra or {}, sort_keys=True, default=str)
+    found = _validated.get(key)
+    if found is None:
+        found = _validated[key] = _validate(dict(extra or {}))
+    return found
+
+
+def _validate(data: dict[str, Any]) -> tuple[BackendConfig, AdapterOptions]:
     if "backend" not in data:
         raise ConfigError(
             None,
@@ -65,15 +86,7 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendConfig, 
     try:
         options = AdapterOptions.model_validate(raw_options)
     except ValidationError as exc:
-        problems = [
-            (
-                ".".join([ADAPTER_KEY, *(str(p) for p in err["loc"])]),
-                err["msg"],
-                err.get("input"),
-            )
-            for err in exc.errors()
-        ]
-        raise ConfigError("vllm adapter", problems) from None
+        raise ConfigError("vllm adapter", problems_of(exc, under=ADAPTER_KEY)) from None
     _, _, backend = parse_config(data)
     return backend, options
 
