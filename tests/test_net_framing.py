@@ -39,7 +39,6 @@ from kvmux.net.messages import (
     FetchRequest,
     Hello,
     Join,
-    LocateReply,
     LocateRequest,
     LookupReply,
     LookupRequest,
@@ -49,6 +48,8 @@ from kvmux.net.messages import (
     key_batches,
     pack_rows,
 )
+from kvmux.net.nixl_messages import NixlLocateReply
+from kvmux.net.shm_messages import LocateReply
 from kvmux.slots import PinnedSlots
 
 LIMITS = Limits(max_header_bytes=64 * 1024, max_frame_bytes=1024 * 1024)
@@ -290,6 +291,24 @@ def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> 
     got = right.recv(soon())
     assert got == reply and isinstance(got, LocateReply)
     assert got.row_array().tolist() == [3, -1, 0]
+
+
+def test_a_reply_its_transport_registered_crosses_the_wire(pair: tuple[Channel, Channel]) -> None:
+    """``nixl_locate_reply`` is not listed in kvmux.net.messages: importing its module
+    registered it (and made the ``rows-not-int32s`` header above a check of its rows)."""
+    left, right = pair
+    reply = NixlLocateReply(
+        lease=1,
+        lease_s=1.0,
+        agent="kvmux-1-0123456789abcdef",
+        metadata=None,
+        base=0,
+        slots=4,
+        block_nbytes=8,
+        rows=pack_rows([1, None]),
+    )
+    left.send(reply, deadline=soon())
+    assert right.recv(soon()) == reply
 
 
 def test_pack_rows_encodes_a_slot_array_as_it_does_a_list() -> None:

@@ -16,8 +16,9 @@ from kvmux.keys import BlockKey, chain_keys
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import Terms
-from kvmux.net.messages import LocateReply, LocateRequest, expect
+from kvmux.net.messages import LocateRequest, expect
 from kvmux.net.segment import SHM_DIR
+from kvmux.net.shm_messages import LocateReply
 from kvmux.registry import create_connector
 from kvmux.testing.peer import (
     PeerProcess,
