@@ -77,6 +77,16 @@ def raw_frame(header: bytes, declared: int | None = None) -> bytes:
     return struct.pack("!4sI", MAGIC, size) + header
 
 
+def receive_raw(pair: tuple[Channel, Channel], data: bytes, *, then_close: bool = False) -> None:
+    """Write ``data`` into the left end's socket as is (and, with ``then_close``, end the
+    stream); the right end then receives a frame from it."""
+    left, right = pair
+    left.sock.sendall(data)
+    if then_close:
+        left.sock.shutdown(socket.SHUT_WR)
+    right.recv(soon())
+
+
 # -------------------------------------------------------------------- frames
 
 
@@ -112,30 +122,24 @@ def test_keys_of_several_namespaces_and_digest_sizes_cross_in_order(
 
 
 def test_garbage_is_a_protocol_error(pair: tuple[Channel, Channel]) -> None:
-    left, right = pair
-    left.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     with pytest.raises(ProtocolError, match="not a kvmux frame"):
-        right.recv(soon())
-    assert right.broken
+        receive_raw(pair, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert pair[1].broken
 
 
 def test_an_oversized_header_is_refused_before_it_is_read(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
-    left.sock.sendall(raw_frame(b"", declared=2**31))
     with pytest.raises(ProtocolError, match="max_header_bytes"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(b"", declared=2**31))
 
 
 def test_an_oversized_payload_is_refused_before_it_is_read(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
     header = json.dumps({"kind": "blocks", "first": 0, "count": 1, "nbytes": 2**40}).encode()
-    left.sock.sendall(raw_frame(header))
     with pytest.raises(ProtocolError, match="max_frame_bytes"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header))
 
 
 @pytest.mark.parametrize(
@@ -176,21 +180,16 @@ def test_an_oversized_payload_is_refused_before_it_is_read(
 def test_a_header_that_does_not_validate_is_a_protocol_error(
     pair: tuple[Channel, Channel], header: bytes
 ) -> None:
-    left, right = pair
-    left.sock.sendall(raw_frame(header))
     with pytest.raises(ProtocolError, match="invalid message"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header))
 
 
 def test_a_frame_cut_short_by_a_closed_peer_is_a_transfer_error(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
     header = LookupReply(count=3).model_dump_json().encode()
-    left.sock.sendall(raw_frame(header)[:-4])
-    left.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(TransferError, match="closed the connection"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header)[:-4], then_close=True)
 
 
 def test_waiting_for_a_frame_that_has_not_started_leaves_the_stream_usable(
