@@ -240,52 +240,37 @@ def test_key_batches_fit_the_header_budget(mixed: bool) -> None:
         assert len(encoded) <= 64 * 1024
 
 
-def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> None:
-    def reply(segment: str) -> LocateReply:
-        return LocateReply(
-            lease=1,
-            lease_s=1.0,
-            segment=segment,
-            token="0" * 32,
-            offset=4096,
-            slots=4,
-            block_nbytes=8,
-            rows=pack_rows([0]),
-        )
+def locate_reply(**fields: object) -> LocateReply:
+    """A valid shm locate reply of a 4-slot pool, but for ``fields``."""
+    valid: dict[str, object] = {
+        "lease": 1,
+        "lease_s": 1.0,
+        "segment": "kvmux-1-0123456789abcdef",
+        "token": "0" * 32,
+        "offset": 4096,
+        "slots": 4,
+        "block_nbytes": 8,
+        "rows": pack_rows([0]),
+    }
+    return LocateReply.model_validate({**valid, **fields})
 
+
+def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> None:
     for name in ["../../etc/passwd", "kvmux-1-../x", "/dev/shm/kvmux-1-0123456789abcdef"]:
         with pytest.raises(ValidationError):
-            reply(name)
-    assert reply("kvmux-1-0123456789abcdef").segment
+            locate_reply(segment=name)
+    assert locate_reply(segment="kvmux-1-0123456789abcdef").segment
 
 
 @pytest.mark.parametrize("row", [4, -2])
 def test_locate_rows_must_lie_inside_the_pool(row: int) -> None:
     with pytest.raises(ValidationError, match="outside the pool"):
-        LocateReply(
-            lease=1,
-            lease_s=1.0,
-            segment="kvmux-1-0123456789abcdef",
-            token="0" * 32,
-            offset=4096,
-            slots=4,
-            block_nbytes=8,
-            rows=struct.pack("<i", row),
-        )
+        locate_reply(rows=struct.pack("<i", row))
 
 
 def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> None:
     left, right = pair
-    reply = LocateReply(
-        lease=1,
-        lease_s=1.0,
-        segment="kvmux-1-0123456789abcdef",
-        token="0" * 32,
-        offset=4096,
-        slots=4,
-        block_nbytes=8,
-        rows=pack_rows([3, None, 0]),
-    )
+    reply = locate_reply(rows=pack_rows([3, None, 0]))
     left.send(reply, deadline=soon())
     got = right.recv(soon())
     assert got == reply and isinstance(got, LocateReply)

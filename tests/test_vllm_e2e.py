@@ -94,13 +94,22 @@ def test_saved_prefix_reloaded_gives_the_tokens_of_a_single_instance(
     assert stats["load_blocks_ok"] == FULL_BLOCKS
 
 
+def _after_a_restart(
+    model: str, backend: dict[str, Any], reference: list[list[int]]
+) -> dict[str, float]:
+    """Run the prompts in an engine, stop it, run them again in a fresh engine on the same
+    backend config: both give the single-instance tokens. The fresh engine's counters."""
+    with EngineProcess(spec(model, backend)) as first:
+        assert tokens(first.generate(PROMPTS, MAX_TOKENS)) == reference
+    with EngineProcess(spec(model, backend)) as second:
+        assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == reference
+        stats: dict[str, float] = second.call("stats")["stats"]
+    return stats
+
+
 def test_disk_blocks_survive_an_engine_restart(tiny_model_dir, vllm_reference, tmp_path: Path):
     backend = {"backend": "disk", "path": str(tmp_path / "kv")}
-    with EngineProcess(spec(tiny_model_dir, backend)) as first:
-        assert tokens(first.generate(PROMPTS, MAX_TOKENS)) == vllm_reference
-    with EngineProcess(spec(tiny_model_dir, backend)) as second:
-        assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == vllm_reference
-        stats = second.call("stats")["stats"]
+    stats = _after_a_restart(tiny_model_dir, backend, vllm_reference)
     assert stats["load_blocks_ok"] == FULL_BLOCKS
 
 
@@ -133,11 +142,7 @@ def test_lmcache_server_blocks_survive_an_engine_restart(tiny_model_dir, vllm_re
     fresh engine loads, in LMCache's own format, every full block the first saved."""
     with run_lmcache_server() as (url, _):
         backend = {"backend": "lmcache", "remote_url": url, "max_local_cpu_gb": 0.25}
-        with EngineProcess(spec(tiny_model_dir, backend)) as first:
-            assert tokens(first.generate(PROMPTS, MAX_TOKENS)) == vllm_reference
-        with EngineProcess(spec(tiny_model_dir, backend)) as second:
-            assert tokens(second.generate(PROMPTS, MAX_TOKENS)) == vllm_reference
-            stats = second.call("stats")["stats"]
+        stats = _after_a_restart(tiny_model_dir, backend, vllm_reference)
     assert stats["load_blocks_ok"] == FULL_BLOCKS
     assert stats.get("load_blocks_failed", 0) == stats.get("load_blocks_missing", 0) == 0
 
