@@ -44,16 +44,9 @@ from kvmux.connector import Connector
 from kvmux.handle import TransferResult
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.registry import create_connector
+from kvmux.testing import peer
 from kvmux.testing.harness import GRACE_S
-from kvmux.testing.peer import (
-    PeerProcess,
-    block_bytes,
-    empty_caches,
-    make_caches,
-    make_keys,
-    make_layout,
-    spawn_peer,
-)
+from kvmux.testing.peer import PeerProcess
 
 
 @dataclass
@@ -77,7 +70,7 @@ class Consumer:
 
     def blocks(self, ids: list[int] | range) -> torch.Tensor:
         """Copies of these blocks' bytes, layers end to end (see ``block_bytes``)."""
-        return block_bytes(self.caches, ids)
+        return peer.block_bytes(self.caches, ids)
 
 
 def open_consumer(
@@ -91,8 +84,8 @@ def open_consumer(
     ``caches`` (default: zeroed ``num_blocks`` blocks of the peer ``layout``)."""
     connector = create_connector(dict(config))
     if caches is None:
-        caches = empty_caches(num_blocks, layout)
-    connector.register(make_layout(caches), caches)
+        caches = peer.empty_caches(num_blocks, layout)
+    connector.register(peer.make_layout(caches), caches)
     return Consumer(connector, caches)
 
 
@@ -134,20 +127,20 @@ class CrossProcessTests:
     ) -> contextlib.AbstractContextManager[PeerProcess]:
         """Another producer process of ``seed``, for a ``with`` block that ends it by PID."""
         count = self.blocks if blocks is None else blocks
-        return spawn_peer({**self.peer_config, **overrides}, count, self.seed)
+        return peer.spawn_peer({**self.peer_config, **overrides}, count, self.seed)
 
     # ------------------------------------------------------------- fixtures
 
     @pytest.fixture(scope="class")
     @classmethod
     def producer(cls) -> Iterator[PeerProcess]:
-        with spawn_peer(cls.peer_config, cls.blocks, cls.seed) as peer:
-            yield peer
+        with peer.spawn_peer(cls.peer_config, cls.blocks, cls.seed) as process:
+            yield process
 
     @pytest.fixture(scope="class")
     @classmethod
     def expected(cls) -> torch.Tensor:
-        return block_bytes(make_caches(cls.seed, cls.blocks), range(cls.blocks))
+        return peer.block_bytes(peer.make_caches(cls.seed, cls.blocks), range(cls.blocks))
 
     @pytest.fixture
     def consumer(self) -> Iterator[Consumer]:
@@ -195,7 +188,7 @@ class CrossProcessTests:
         assert conn.lookup(keys[:7] + unknown, producer.address) == 7
         assert conn.lookup(keys[:10] + unknown + keys[10:], producer.address) == 10
         assert conn.lookup(unknown, producer.address) == 0
-        assert conn.lookup(make_keys(n + 50), producer.address) == n
+        assert conn.lookup(peer.make_keys(n + 50), producer.address) == n
 
     def test_a_consumer_with_another_layout_is_refused_at_handshake(
         self, producer: PeerProcess
