@@ -469,7 +469,10 @@ def test_a_client_learns_the_servers_incarnation_and_fingerprint() -> None:
     assert joined[0].incarnation == "5" * 32 and joined[0].compat == MODEL
 
 
-def _serve_one(chan: Channel, errors: list[BaseException]) -> threading.Thread:
+def _serve_one(chan: Channel) -> tuple[threading.Thread, list[BaseException]]:
+    """The server side of one handshake, in a thread; the errors it raised, once joined."""
+    errors: list[BaseException] = []
+
     def serve() -> None:
         try:
             serve_handshake(chan, service="tcp", layout=None, secret=None, deadline=soon())
@@ -478,15 +481,14 @@ def _serve_one(chan: Channel, errors: list[BaseException]) -> threading.Thread:
 
     thread = threading.Thread(target=serve)
     thread.start()
-    return thread
+    return thread, errors
 
 
 def test_a_peer_of_another_protocol_version_is_told_both_versions(
     pair: tuple[Channel, Channel],
 ) -> None:
     client, server = pair
-    errors: list[BaseException] = []
-    thread = _serve_one(server, errors)
+    thread, errors = _serve_one(server)
     hello = expect(client.recv(soon()), Hello)
     join = Join(
         version=PROTOCOL_VERSION + 1,
@@ -550,8 +552,7 @@ def test_before_joining_a_header_over_the_handshake_limit_is_refused_unread(
     pair: tuple[Channel, Channel],
 ) -> None:
     client, server = pair
-    errors: list[BaseException] = []
-    thread = _serve_one(server, errors)
+    thread, errors = _serve_one(server)
     expect(client.recv(soon()), Hello)
     client.sock.sendall(raw_frame(b"{", declared=HANDSHAKE_HEADER_BYTES + 1))
     thread.join(5)
