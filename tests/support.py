@@ -14,19 +14,14 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from kvmux.connector import Connector
-from kvmux.handle import TransferResult
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.layout import KVLayout
 from kvmux.testing.lifetime import die_with_parent
-from kvmux.testing.peer import block_bytes
 
 
 def make_caches(
@@ -112,26 +107,6 @@ P2P_TIMEOUT_S = 3.0
 """``timeout_s`` of the P2P connectors under test: short, so failures show fast."""
 P2P_GRACE_S = 5.0
 """How long past its own timeout a handle may take before the test calls it a hang."""
-
-
-@dataclass
-class Consumer:
-    """A registered consumer connector and its KV memory."""
-
-    connector: Connector
-    caches: dict[str, torch.Tensor]
-
-    def load(
-        self, keys: list[BlockKey], blocks: list[int], source: Any, bound_s: float = P2P_TIMEOUT_S
-    ) -> TransferResult:
-        return self.connector.load(keys, blocks, source).result(timeout=bound_s + P2P_GRACE_S)
-
-    def blocks(self, ids: list[int] | range) -> torch.Tensor:
-        return block_bytes(self.caches, ids)
-
-
-def statuses(result: TransferResult) -> list[str]:
-    return [o.status.value for o in result.outcomes]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:

@@ -30,6 +30,17 @@ def _disk(path: Path, layout: KVLayout, caches: dict[str, torch.Tensor], **extra
     return c
 
 
+def _stored(
+    path: Path, layout: KVLayout, caches: dict[str, torch.Tensor], n: int, **extra: object
+) -> list[BlockKey]:
+    """Save blocks ``0..n-1`` with an instance that is closed again: a store on disk that
+    no instance has open. The keys they were saved under."""
+    ks = keys(n)
+    with _disk(path, layout, caches, **extra) as d:
+        assert d.save(ks, list(range(n))).result().ok
+    return ks
+
+
 def block_file(root: Path, layout: KVLayout, key: BlockKey) -> Path:
     """The one file that holds ``key``'s block, whatever its format."""
     hits = [p for p in (root / layout.fingerprint()).iterdir() if key.digest.hex() in p.name]
@@ -81,9 +92,7 @@ def test_a_flipped_bit_fails_its_key_and_the_file_is_removed(
 def test_damage_done_while_no_instance_runs_is_found_by_the_next(
     tmp_path: Path, caches, layout
 ) -> None:
-    ks = keys(2)
-    with _disk(tmp_path, layout, caches) as d:
-        assert d.save(ks, [0, 1]).result().ok
+    ks = _stored(tmp_path, layout, caches, 2)
     flip(block_file(tmp_path, layout, ks[0]), HEADER_BYTES + 100)
     with _disk(tmp_path, layout, caches) as d:
         assert d.lookup(ks) == 2  # not read yet: lookup is cheap, it opens no file
@@ -98,9 +107,7 @@ def test_a_block_file_renamed_to_another_keys_name_is_refused(
     tmp_path: Path, caches, layout
 ) -> None:
     """The checksum covers the key: an intact block under the wrong name is not that key's."""
-    ks = keys(2)
-    with _disk(tmp_path, layout, caches) as d:
-        assert d.save(ks, [0, 1]).result().ok
+    ks = _stored(tmp_path, layout, caches, 2)
     first, second = (block_file(tmp_path, layout, k) for k in ks)
     second.replace(first)  # the second block, intact, now named after the first key
     with _disk(tmp_path, layout, caches) as d:
@@ -132,9 +139,7 @@ def test_a_store_written_without_checksums_is_emptied_not_trusted(
     checked blocks had exactly this format: the block's bytes as ``<key>.kv``) are
     never loaded by a checking instance: it removes them when it registers, says
     so once, and the blocks are recomputed."""
-    ks = keys(3)
-    with _disk(tmp_path, layout, caches, checksum=False) as d:
-        assert d.save(ks, [0, 1, 2]).result().ok
+    ks = _stored(tmp_path, layout, caches, 3, checksum=False)
     store = tmp_path / layout.fingerprint()
     raw = sorted(store.glob(f"*{RAW_SUFFIX}"))
     assert len(raw) == 3
@@ -155,9 +160,7 @@ def test_checksum_off_trusts_the_disk_and_drops_checked_files(
     tmp_path: Path, caches, layout
 ) -> None:
     """The other direction, and the price of turning checks off: damage loads as ok."""
-    ks = keys(2)
-    with _disk(tmp_path, layout, caches) as d:
-        assert d.save(ks, [0, 1]).result().ok
+    ks = _stored(tmp_path, layout, caches, 2)
     with _disk(tmp_path, layout, caches, checksum=False) as d:
         assert d.lookup(ks) == 0
         assert not list((tmp_path / layout.fingerprint()).glob(f"*{CHECKED_SUFFIX}"))
@@ -224,9 +227,7 @@ def test_an_existing_store_on_a_full_disk_still_opens_and_loads(
     tmp_path: Path, caches, layout
 ) -> None:
     with small_tmpfs(tmp_path, 4 * (1 + 2 * file_pages(layout)) + 64) as mount:
-        ks = keys(2)
-        with _disk(mount, layout, caches) as d:
-            assert d.save(ks, [0, 1]).result().ok
+        ks = _stored(mount, layout, caches, 2)
         fill_up(mount)
         with _disk(mount, layout, caches) as d:
             assert d.load(ks, [5, 6]).result().ok

@@ -22,11 +22,12 @@ from kvmux.keys import chain_keys
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
+from kvmux.testing.cross_process import statuses
 from kvmux.testing.harness import ConnectorFactory
 from kvmux.testing.peer import block_bytes, empty_caches, make_caches, make_layout, spawn_peer
 from kvmux.testing.suite import ConnectorSuite
 
-from support import run_lmcache_server, run_master, statuses
+from support import run_lmcache_server, run_master
 
 pytestmark = pytest.mark.timeout(600)
 

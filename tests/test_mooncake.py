@@ -4,8 +4,6 @@ LookupBuffer) with the real ``mooncake`` package, across OS processes."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,10 +18,12 @@ pytest.importorskip("mooncake")
 
 from kvmux.backends.mooncake import MooncakeConnector
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
+from kvmux.connector import Connector
 from kvmux.errors import ClosedError, TransferError
 from kvmux.keys import chain_keys
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
+from kvmux.testing.cross_process import Consumer, CrossProcessTests, open_consumer
 from kvmux.testing.harness import ConnectorFactory
 from kvmux.testing.peer import (
     PeerProcess,
@@ -35,7 +35,7 @@ from kvmux.testing.peer import (
 )
 from kvmux.testing.suite import ConnectorSuite
 
-from support import P2P_TIMEOUT_S, Consumer, free_port, run_master, statuses
+from support import P2P_TIMEOUT_S, free_port, run_master
 
 SEED = 17
 N = 64
@@ -44,31 +44,6 @@ CONFIG: dict[str, Any] = {
     "timeout_s": P2P_TIMEOUT_S,
     "capacity_bytes": 4 * 2**20,
 }
-
-
-def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any) -> Consumer:
-    connector = create_connector({**CONFIG, **config})
-    caches = empty_caches(num_blocks, layout)
-    connector.register(make_layout(caches), caches)
-    return Consumer(connector, caches)
-
-
-@pytest.fixture(scope="module")
-def producer() -> Iterator[PeerProcess]:
-    with spawn_peer(CONFIG, N, SEED) as peer:
-        yield peer
-
-
-@pytest.fixture(scope="module")
-def expected() -> torch.Tensor:
-    return block_bytes(make_caches(SEED, N), range(N))
-
-
-@pytest.fixture
-def consumer() -> Iterator[Consumer]:
-    c = open_consumer()
-    yield c
-    c.connector.close()
 
 
 # ------------------------------------------------------------- mooncake (P2P)
@@ -82,30 +57,40 @@ class TestMooncakeConformance(ConnectorSuite):
         return registry_factory("mooncake", {"capacity_bytes": 8 * 2**20}, tmp_path)
 
 
-def test_blocks_from_another_process_arrive_byte_exact(
-    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
-) -> None:
-    dst = list(range(2 * N - 1, N - 1, -1))
-    result = consumer.load(producer.keys, dst, producer.address)
-    assert result.ok, result.not_ok[:2]
-    assert result.nbytes == N * consumer.connector.copier.block_nbytes
-    assert torch.equal(consumer.blocks(dst), expected)
-    unknown = chain_keys(list(range(64)), 16, "nobody-saved-this")
-    mixed = consumer.load([unknown[0], producer.keys[3]], [0, 1], producer.address)
-    assert statuses(mixed) == ["missing", "ok"]
-    assert torch.equal(consumer.blocks([1]), expected[[3]]) and not consumer.blocks([0]).any()
-    assert consumer.connector.lookup(producer.keys, producer.address) == N
+class TestMooncakeAcrossProcesses(CrossProcessTests):
+    peer_config = CONFIG
+    blocks = N
+    seed = SEED
 
+    def transfer_call(self, connector: Connector) -> tuple[object, str]:
+        assert isinstance(connector, MooncakeConnector)
+        return connector._engine, "read"
 
-def test_a_consumer_with_another_layout_is_refused_at_handshake(producer: PeerProcess) -> None:
-    other = open_consumer(num_blocks=8, layout="other")
-    try:
-        result = other.load(producer.keys[:4], [0, 1, 2, 3], producer.address)
-        assert statuses(result) == ["failed"] * 4
-        assert "layout mismatch" in (result.outcomes[0].reason or "")
-        assert not other.blocks(range(4)).any()
-    finally:
-        other.connector.close()
+    def test_a_read_larger_than_the_te_queue_is_split(
+        self,
+        producer: PeerProcess,
+        consumer: Consumer,
+        expected: torch.Tensor,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """More ranges than TE queues per peer would fail and break the engine: split them."""
+        conn = consumer.connector
+        assert isinstance(conn, MooncakeConnector)
+        calls: list[int] = []
+        real = conn._engine._engine.batch_transfer_sync_read
+
+        class Counting:
+            def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
+                calls.append(len(ranges[0]))
+                return int(real(peer, *ranges))
+
+        monkeypatch.setattr(conn._engine, "max_batch", 10)
+        monkeypatch.setattr(conn._engine, "_engine", Counting())
+        dst = torch.randperm(N, generator=torch.Generator().manual_seed(3)).tolist()
+        result = consumer.load(producer.keys, dst, producer.address)
+        assert result.ok, result.not_ok[:2]
+        assert torch.equal(consumer.blocks(dst), expected)
+        assert max(calls) <= 10 and sum(calls) >= N
 
 
 def test_thousands_of_small_blocks_in_one_batch() -> None:
@@ -114,7 +99,7 @@ def test_thousands_of_small_blocks_in_one_batch() -> None:
     caches = make_caches(SEED, n)
     slow_ok = {"timeout_s": 20.0}  # 64 MiB over loopback TCP on a shared 2-core machine
     owner = create_connector({**CONFIG, **slow_ok, "capacity_bytes": 2 * n * 16384})
-    big = open_consumer(num_blocks=n, **slow_ok)
+    big = open_consumer({**CONFIG, **slow_ok}, num_blocks=n)
     try:
         owner.register(make_layout(caches), caches)
         keys = chain_keys(list(range(n * 16)), 16, "many")
@@ -128,72 +113,10 @@ def test_thousands_of_small_blocks_in_one_batch() -> None:
         owner.close()
 
 
-def test_a_read_larger_than_the_te_queue_is_split(
-    producer: PeerProcess,
-    consumer: Consumer,
-    expected: torch.Tensor,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """More ranges than TE queues per peer would fail and break the engine: split them."""
-    conn = consumer.connector
-    assert isinstance(conn, MooncakeConnector)
-    calls: list[int] = []
-    real = conn._engine._engine.batch_transfer_sync_read
-
-    class Counting:
-        def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
-            calls.append(len(ranges[0]))
-            return int(real(peer, *ranges))
-
-    monkeypatch.setattr(conn._engine, "max_batch", 10)
-    monkeypatch.setattr(conn._engine, "_engine", Counting())
-    dst = torch.randperm(N, generator=torch.Generator().manual_seed(3)).tolist()
-    result = consumer.load(producer.keys, dst, producer.address)
-    assert result.ok, result.not_ok[:2]
-    assert torch.equal(consumer.blocks(dst), expected)
-    assert max(calls) <= 10 and sum(calls) >= N
-
-
-@pytest.mark.parametrize("fate", ["killed", "stopped"])
-def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
-    fate: str, producer: PeerProcess, expected: torch.Tensor, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The producer pins the blocks and answers, then dies (SIGKILL) or freezes
-    (SIGSTOP) just as the READ starts; the survivor then serves from another peer."""
-    big = 1024
-    consumer = open_consumer(num_blocks=big)
-    conn = consumer.connector
-    assert isinstance(conn, MooncakeConnector)
-    try:
-        with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
-            real_read = conn._engine.read
-
-            def read_as_it_dies(*args: Any, **kwargs: Any) -> None:
-                if fate == "killed":
-                    doomed.kill()
-                else:
-                    os.kill(doomed.pid, signal.SIGSTOP)
-                real_read(*args, **kwargs)
-
-            monkeypatch.setattr(conn._engine, "read", read_as_it_dies)
-            start = time.monotonic()
-            during = consumer.load(doomed.keys, list(range(big)), doomed.address)
-            elapsed = time.monotonic() - start
-            monkeypatch.undo()
-            if fate == "stopped":
-                os.kill(doomed.pid, signal.SIGCONT)
-        assert elapsed < P2P_TIMEOUT_S + 1, elapsed
-        assert statuses(during) == ["failed"] * big
-        again = consumer.load(producer.keys, list(range(N)), producer.address)
-        assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
-    finally:
-        conn.close()
-
-
 def test_pins_end_after_a_load() -> None:
     caches = make_caches(SEED, 8)
     owner = create_connector(CONFIG)
-    reader = open_consumer(num_blocks=8)
+    reader = open_consumer(CONFIG, num_blocks=8)
     try:
         owner.register(make_layout(caches), caches)
         keys = chain_keys(list(range(8 * 16)), 16, "pins")
@@ -208,7 +131,7 @@ def test_pins_end_after_a_load() -> None:
         owner.close()
 
 
-def test_two_connectors_of_a_process_may_register_the_same_kv(expected: torch.Tensor) -> None:
+def test_two_connectors_of_a_process_may_register_the_same_kv() -> None:
     """TE refuses a second registration of the same memory; the shared engine counts them."""
     caches = empty_caches(N)
     first, second = create_connector(CONFIG), create_connector(CONFIG)
@@ -223,7 +146,7 @@ def test_two_connectors_of_a_process_may_register_the_same_kv(expected: torch.Te
         assert owner.save(keys, list(range(N))).result().ok
         result = second.load(keys, list(range(N)), owner.address()).result(timeout=30)
         assert result.ok, result.not_ok[:2]
-        assert torch.equal(block_bytes(caches, range(N)), expected)
+        assert torch.equal(block_bytes(caches, range(N)), block_bytes(src, range(N)))
     finally:
         for conn in (first, second, owner):
             conn.close()
@@ -265,7 +188,7 @@ class TestMooncakeStoreConformance(ConnectorSuite):
         )
 
 
-def test_store_blocks_cross_processes_byte_exact(master: str, expected: torch.Tensor) -> None:
+def test_store_blocks_cross_processes_byte_exact(master: str) -> None:
     config = {"backend": "buffers:mooncake-store", **store_config(master, "xproc")}
     with spawn_peer(config, N, SEED) as writer:
         reader = create_connector(config)
@@ -275,6 +198,7 @@ def test_store_blocks_cross_processes_byte_exact(master: str, expected: torch.Te
             assert reader.lookup(writer.keys) == N
             result = reader.load(writer.keys, list(range(N))).result(timeout=30)
             assert result.ok, result.not_ok[:2]
+            expected = block_bytes(make_caches(SEED, N), range(N))
             assert torch.equal(block_bytes(caches, range(N)), expected)
             assert reader.lookup(writer.keys) == 0  # consumed
         finally:

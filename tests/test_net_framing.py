@@ -39,7 +39,6 @@ from kvmux.net.messages import (
     FetchRequest,
     Hello,
     Join,
-    LocateReply,
     LocateRequest,
     LookupReply,
     LookupRequest,
@@ -49,6 +48,8 @@ from kvmux.net.messages import (
     key_batches,
     pack_rows,
 )
+from kvmux.net.nixl_messages import NixlLocateReply
+from kvmux.net.shm_messages import LocateReply
 from kvmux.slots import PinnedSlots
 
 LIMITS = Limits(max_header_bytes=64 * 1024, max_frame_bytes=1024 * 1024)
@@ -74,6 +75,16 @@ def keys(n: int) -> list[BlockKey]:
 def raw_frame(header: bytes, declared: int | None = None) -> bytes:
     size = len(header) if declared is None else declared
     return struct.pack("!4sI", MAGIC, size) + header
+
+
+def receive_raw(pair: tuple[Channel, Channel], data: bytes, *, then_close: bool = False) -> None:
+    """Write ``data`` into the left end's socket as is (and, with ``then_close``, end the
+    stream); the right end then receives a frame from it."""
+    left, right = pair
+    left.sock.sendall(data)
+    if then_close:
+        left.sock.shutdown(socket.SHUT_WR)
+    right.recv(soon())
 
 
 # -------------------------------------------------------------------- frames
@@ -111,30 +122,24 @@ def test_keys_of_several_namespaces_and_digest_sizes_cross_in_order(
 
 
 def test_garbage_is_a_protocol_error(pair: tuple[Channel, Channel]) -> None:
-    left, right = pair
-    left.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     with pytest.raises(ProtocolError, match="not a kvmux frame"):
-        right.recv(soon())
-    assert right.broken
+        receive_raw(pair, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert pair[1].broken
 
 
 def test_an_oversized_header_is_refused_before_it_is_read(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
-    left.sock.sendall(raw_frame(b"", declared=2**31))
     with pytest.raises(ProtocolError, match="max_header_bytes"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(b"", declared=2**31))
 
 
 def test_an_oversized_payload_is_refused_before_it_is_read(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
     header = json.dumps({"kind": "blocks", "first": 0, "count": 1, "nbytes": 2**40}).encode()
-    left.sock.sendall(raw_frame(header))
     with pytest.raises(ProtocolError, match="max_frame_bytes"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header))
 
 
 @pytest.mark.parametrize(
@@ -175,21 +180,16 @@ def test_an_oversized_payload_is_refused_before_it_is_read(
 def test_a_header_that_does_not_validate_is_a_protocol_error(
     pair: tuple[Channel, Channel], header: bytes
 ) -> None:
-    left, right = pair
-    left.sock.sendall(raw_frame(header))
     with pytest.raises(ProtocolError, match="invalid message"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header))
 
 
 def test_a_frame_cut_short_by_a_closed_peer_is_a_transfer_error(
     pair: tuple[Channel, Channel],
 ) -> None:
-    left, right = pair
     header = LookupReply(count=3).model_dump_json().encode()
-    left.sock.sendall(raw_frame(header)[:-4])
-    left.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(TransferError, match="closed the connection"):
-        right.recv(soon())
+        receive_raw(pair, raw_frame(header)[:-4], then_close=True)
 
 
 def test_waiting_for_a_frame_that_has_not_started_leaves_the_stream_usable(
@@ -240,56 +240,59 @@ def test_key_batches_fit_the_header_budget(mixed: bool) -> None:
         assert len(encoded) <= 64 * 1024
 
 
-def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> None:
-    def reply(segment: str) -> LocateReply:
-        return LocateReply(
-            lease=1,
-            lease_s=1.0,
-            segment=segment,
-            token="0" * 32,
-            offset=4096,
-            slots=4,
-            block_nbytes=8,
-            rows=pack_rows([0]),
-        )
+def locate_reply(**fields: object) -> LocateReply:
+    """A valid shm locate reply of a 4-slot pool, but for ``fields``."""
+    valid: dict[str, object] = {
+        "lease": 1,
+        "lease_s": 1.0,
+        "segment": "kvmux-1-0123456789abcdef",
+        "token": "0" * 32,
+        "offset": 4096,
+        "slots": 4,
+        "block_nbytes": 8,
+        "rows": pack_rows([0]),
+    }
+    return LocateReply.model_validate({**valid, **fields})
 
+
+def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> None:
     for name in ["../../etc/passwd", "kvmux-1-../x", "/dev/shm/kvmux-1-0123456789abcdef"]:
         with pytest.raises(ValidationError):
-            reply(name)
-    assert reply("kvmux-1-0123456789abcdef").segment
+            locate_reply(segment=name)
+    assert locate_reply(segment="kvmux-1-0123456789abcdef").segment
 
 
 @pytest.mark.parametrize("row", [4, -2])
 def test_locate_rows_must_lie_inside_the_pool(row: int) -> None:
     with pytest.raises(ValidationError, match="outside the pool"):
-        LocateReply(
-            lease=1,
-            lease_s=1.0,
-            segment="kvmux-1-0123456789abcdef",
-            token="0" * 32,
-            offset=4096,
-            slots=4,
-            block_nbytes=8,
-            rows=struct.pack("<i", row),
-        )
+        locate_reply(rows=struct.pack("<i", row))
 
 
 def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> None:
     left, right = pair
-    reply = LocateReply(
-        lease=1,
-        lease_s=1.0,
-        segment="kvmux-1-0123456789abcdef",
-        token="0" * 32,
-        offset=4096,
-        slots=4,
-        block_nbytes=8,
-        rows=pack_rows([3, None, 0]),
-    )
+    reply = locate_reply(rows=pack_rows([3, None, 0]))
     left.send(reply, deadline=soon())
     got = right.recv(soon())
     assert got == reply and isinstance(got, LocateReply)
     assert got.row_array().tolist() == [3, -1, 0]
+
+
+def test_a_reply_its_transport_registered_crosses_the_wire(pair: tuple[Channel, Channel]) -> None:
+    """``nixl_locate_reply`` is not listed in kvmux.net.messages: importing its module
+    registered it (and made the ``rows-not-int32s`` header above a check of its rows)."""
+    left, right = pair
+    reply = NixlLocateReply(
+        lease=1,
+        lease_s=1.0,
+        agent="kvmux-1-0123456789abcdef",
+        metadata=None,
+        base=0,
+        slots=4,
+        block_nbytes=8,
+        rows=pack_rows([1, None]),
+    )
+    left.send(reply, deadline=soon())
+    assert right.recv(soon()) == reply
 
 
 def test_pack_rows_encodes_a_slot_array_as_it_does_a_list() -> None:
@@ -466,7 +469,10 @@ def test_a_client_learns_the_servers_incarnation_and_fingerprint() -> None:
     assert joined[0].incarnation == "5" * 32 and joined[0].compat == MODEL
 
 
-def _serve_one(chan: Channel, errors: list[BaseException]) -> threading.Thread:
+def _serve_one(chan: Channel) -> tuple[threading.Thread, list[BaseException]]:
+    """The server side of one handshake, in a thread; the errors it raised, once joined."""
+    errors: list[BaseException] = []
+
     def serve() -> None:
         try:
             serve_handshake(chan, service="tcp", layout=None, secret=None, deadline=soon())
@@ -475,15 +481,14 @@ def _serve_one(chan: Channel, errors: list[BaseException]) -> threading.Thread:
 
     thread = threading.Thread(target=serve)
     thread.start()
-    return thread
+    return thread, errors
 
 
 def test_a_peer_of_another_protocol_version_is_told_both_versions(
     pair: tuple[Channel, Channel],
 ) -> None:
     client, server = pair
-    errors: list[BaseException] = []
-    thread = _serve_one(server, errors)
+    thread, errors = _serve_one(server)
     hello = expect(client.recv(soon()), Hello)
     join = Join(
         version=PROTOCOL_VERSION + 1,
@@ -547,8 +552,7 @@ def test_before_joining_a_header_over_the_handshake_limit_is_refused_unread(
     pair: tuple[Channel, Channel],
 ) -> None:
     client, server = pair
-    errors: list[BaseException] = []
-    thread = _serve_one(server, errors)
+    thread, errors = _serve_one(server)
     expect(client.recv(soon()), Hello)
     client.sock.sendall(raw_frame(b"{", declared=HANDSHAKE_HEADER_BYTES + 1))
     thread.join(5)

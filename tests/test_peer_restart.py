@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from kvmux.registry import create_connector
+from kvmux.testing.cross_process import Consumer, statuses
 from kvmux.testing.peer import block_bytes, empty_caches, make_caches, make_layout, spawn_peer
 
-from support import P2P_TIMEOUT_S, Consumer, free_port, statuses
+from support import P2P_TIMEOUT_S, free_port
 
 N = 16
 POOL_BYTES = 4 * 2**20

@@ -12,61 +12,28 @@ import pytest
 import torch
 
 from kvmux.backends.shm import ShmConnector
-from kvmux.keys import BlockKey, chain_keys
+from kvmux.keys import BlockKey
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import Terms
-from kvmux.net.messages import LocateReply, LocateRequest, expect
+from kvmux.net.messages import LocateRequest, expect
 from kvmux.net.segment import SHM_DIR
+from kvmux.net.shm_messages import LocateReply
 from kvmux.registry import create_connector
-from kvmux.testing.peer import (
-    PeerProcess,
-    block_bytes,
-    empty_caches,
-    make_caches,
-    make_keys,
-    make_layout,
-    spawn_peer,
-)
+from kvmux.testing.cross_process import Consumer, CrossProcessTests, open_consumer, statuses
+from kvmux.testing.peer import PeerProcess, block_bytes, make_caches, make_keys, make_layout
 
-from support import P2P_GRACE_S, P2P_TIMEOUT_S, Consumer, statuses, wait_until
+from support import P2P_GRACE_S, P2P_TIMEOUT_S, wait_until
 
 SEED = 11
 N = 64
 POOL_BYTES = 4 * 2**20
 """Small pools: a default 256 MiB one costs a noticeable fraction of a second to map."""
-
-
-def open_consumer(num_blocks: int = 2 * N, layout: str = "small", **config: Any) -> Consumer:
-    settings = {
-        "backend": "shm",
-        "timeout_s": P2P_TIMEOUT_S,
-        "capacity_bytes": POOL_BYTES,
-        **config,
-    }
-    connector = create_connector(settings)
-    caches = empty_caches(num_blocks, layout)
-    connector.register(make_layout(caches), caches)
-    return Consumer(connector, caches)
-
-
-@pytest.fixture(scope="module")
-def producer() -> Iterator[PeerProcess]:
-    config = {"backend": "shm", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": POOL_BYTES}
-    with spawn_peer(config, N, SEED) as peer:
-        yield peer
-
-
-@pytest.fixture(scope="module")
-def expected() -> torch.Tensor:
-    return block_bytes(make_caches(SEED, N), range(N))
-
-
-@pytest.fixture
-def consumer() -> Iterator[Consumer]:
-    c = open_consumer()
-    yield c
-    c.connector.close()
+CONFIG: dict[str, Any] = {
+    "backend": "shm",
+    "timeout_s": P2P_TIMEOUT_S,
+    "capacity_bytes": POOL_BYTES,
+}
 
 
 def segments_of(pid: int) -> list[Path]:
@@ -76,96 +43,59 @@ def segments_of(pid: int) -> list[Path]:
 # ------------------------------------------------------------ across processes
 
 
-def test_blocks_from_another_process_arrive_byte_exact(
-    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
-) -> None:
-    dst = list(range(2 * N - 1, N - 1, -1))
-    result = consumer.load(producer.keys, dst, producer.address)
-    assert result.ok, result.not_ok[:2]
-    assert torch.equal(consumer.blocks(dst), expected)
-    # Loading again reuses the mapping and the connection.
-    again = consumer.load(producer.keys[:8], list(range(8)), producer.address)
-    assert again.ok and torch.equal(consumer.blocks(range(8)), expected[:8])
+class TestShmAcrossProcesses(CrossProcessTests):
+    peer_config = CONFIG
+    blocks = N
+    seed = SEED
 
+    def test_killed_producer_fails_keys_within_timeout_and_its_segment_is_swept(
+        self, producer: PeerProcess, expected: torch.Tensor
+    ) -> None:
+        big = 4096  # 64 MiB
+        consumer = self.open_consumer(num_blocks=big)
+        try:
+            with self.spawn_producer(big, capacity_bytes=80 * 2**20) as doomed:
+                assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1
+                orphans = segments_of(doomed.pid)
+                assert len(orphans) == 1
+                start = time.monotonic()
+                handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
+                wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # copying
+                doomed.kill()
+                during = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
+                after = consumer.load(doomed.keys[:8], list(range(8)), doomed.address)
+                assert time.monotonic() - start < P2P_TIMEOUT_S + 1
+            # Blocks located before the kill are still mapped here and can only be the
+            # producer's bytes; whatever did not make it failed. Nothing hung.
+            assert set(statuses(during)) <= {"ok", "failed"}
+            ok = [i for i, o in enumerate(during.outcomes) if o.ok]
+            assert torch.equal(consumer.blocks(ok), block_bytes(make_caches(SEED, big), ok))
+            assert statuses(after) == ["failed"] * 8
+            assert "TransferError" in (after.outcomes[0].reason or "")
+            # A killed process cannot unlink its segment; the next segment made on this
+            # host sweeps it (this one, or one another test run made meanwhile).
+            sweeper = self.open_consumer(num_blocks=4)
+            sweeper.connector.close()
+            assert not any(path.exists() for path in orphans)
+            # The consumer is unharmed: it loads from another producer at once.
+            again = consumer.load(producer.keys, list(range(N)), producer.address)
+            assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
+        finally:
+            consumer.connector.close()
 
-def test_unknown_keys_are_missing_and_leave_their_blocks_untouched(
-    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
-) -> None:
-    unknown = chain_keys(list(range(64)), 16, "nobody-saved-this")
-    keys = [unknown[0], producer.keys[3], unknown[1], producer.keys[4]]
-    result = consumer.load(keys, [0, 1, 2, 3], producer.address)
-    assert statuses(result) == ["missing", "ok", "missing", "ok"]
-    assert torch.equal(consumer.blocks([1, 3]), expected[[3, 4]])
-    assert not consumer.blocks([0, 2]).any()
-    nothing = consumer.load(unknown[:3], [4, 5, 6], producer.address)
-    assert statuses(nothing) == ["missing"] * 3
+    def test_a_live_producers_segment_is_never_swept(self, producer: PeerProcess) -> None:
+        before = segments_of(producer.pid)
+        assert len(before) == 1
+        self.open_consumer(num_blocks=4).connector.close()  # creating a segment sweeps orphans
+        assert segments_of(producer.pid) == before
 
-
-def test_lookup_counts_the_leading_keys_the_peer_holds(
-    producer: PeerProcess, consumer: Consumer
-) -> None:
-    conn, keys = consumer.connector, producer.keys
-    unknown = chain_keys(list(range(32)), 16, "nobody-saved-this")
-    assert conn.lookup(keys, producer.address) == N
-    assert conn.lookup(keys[:7] + unknown, producer.address) == 7
-    assert conn.lookup(unknown, producer.address) == 0
-
-
-def test_a_consumer_with_another_layout_is_refused_at_handshake(producer: PeerProcess) -> None:
-    other = open_consumer(num_blocks=8, layout="other")
-    try:
-        result = other.load(producer.keys[:4], [0, 1, 2, 3], producer.address)
-        assert statuses(result) == ["failed"] * 4
-        reason = result.outcomes[0].reason or ""
-        assert "LayoutError" in reason and "layout mismatch" in reason
-        assert not other.blocks(range(4)).any()
-    finally:
-        other.connector.close()
-
-
-def test_killed_producer_fails_keys_within_timeout_and_its_segment_is_swept(
-    producer: PeerProcess, expected: torch.Tensor
-) -> None:
-    big = 4096  # 64 MiB
-    consumer = open_consumer(num_blocks=big)
-    try:
-        with spawn_peer(
-            {"backend": "shm", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
-        ) as doomed:
-            assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1
-            orphans = segments_of(doomed.pid)
-            assert len(orphans) == 1
-            start = time.monotonic()
-            handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
-            wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # copying
-            doomed.kill()
-            during = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
-            after = consumer.load(doomed.keys[:8], list(range(8)), doomed.address)
-            assert time.monotonic() - start < P2P_TIMEOUT_S + 1
-        # Blocks located before the kill are still mapped here and can only be the
-        # producer's bytes; whatever did not make it failed. Nothing hung.
-        assert set(statuses(during)) <= {"ok", "failed"}
-        ok = [i for i, o in enumerate(during.outcomes) if o.ok]
-        assert torch.equal(consumer.blocks(ok), block_bytes(make_caches(SEED, big), ok))
-        assert statuses(after) == ["failed"] * 8
-        assert "TransferError" in (after.outcomes[0].reason or "")
-        # A killed process cannot unlink its segment; the next segment made on this
-        # host sweeps it (this one, or one another test run made meanwhile).
-        sweeper = open_consumer(num_blocks=4)
-        sweeper.connector.close()
-        assert not any(path.exists() for path in orphans)
-        # The consumer is unharmed: it loads from another producer at once.
-        again = consumer.load(producer.keys, list(range(N)), producer.address)
-        assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
-    finally:
-        consumer.connector.close()
-
-
-def test_a_live_producers_segment_is_never_swept(producer: PeerProcess) -> None:
-    before = segments_of(producer.pid)
-    assert len(before) == 1
-    open_consumer(num_blocks=4).connector.close()  # creating a segment sweeps orphans
-    assert segments_of(producer.pid) == before
+    def test_a_peer_on_another_host_is_refused_clearly(
+        self, producer: PeerProcess, consumer: Consumer
+    ) -> None:
+        elsewhere = {**producer.address, "host_id": "some-other-machine"}
+        result = consumer.load(producer.keys[:2], [0, 1], elsewhere)
+        assert statuses(result) == ["failed"] * 2
+        assert "another host" in (result.outcomes[0].reason or "")
 
 
 # ------------------------------------------------------------------ in process
@@ -184,15 +114,6 @@ def test_the_segment_is_unlinked_on_close() -> None:
     assert not path.exists()
 
 
-def test_a_peer_on_another_host_is_refused_clearly(
-    producer: PeerProcess, consumer: Consumer
-) -> None:
-    elsewhere = {**producer.address, "host_id": "some-other-machine"}
-    result = consumer.load(producer.keys[:2], [0, 1], elsewhere)
-    assert statuses(result) == ["failed"] * 2
-    assert "another host" in (result.outcomes[0].reason or "")
-
-
 def test_eviction_keeps_the_pool_within_capacity() -> None:
     caches = make_caches(SEED, 12)
     block = make_layout(caches).block_nbytes
@@ -202,7 +123,7 @@ def test_eviction_keeps_the_pool_within_capacity() -> None:
         keys = make_keys(12)
         assert conn.save(keys, list(range(12))).result(5).ok
         assert conn.stats()["blocks_stored"] == 8 and conn.stats()["evictions"] == 4
-        consumer = open_consumer(num_blocks=12)
+        consumer = open_consumer(CONFIG, num_blocks=12)
         result = consumer.load(keys, list(range(12)), conn.address())
         assert statuses(result) == ["missing"] * 4 + ["ok"] * 8
         assert torch.equal(consumer.blocks(range(4, 12)), block_bytes(caches, range(4, 12)))

@@ -19,12 +19,13 @@ from kvmux.compat import ModelInfo
 from kvmux.connector import Connector
 from kvmux.errors import ClosedError, ConfigError
 from kvmux.handle import Status
-from kvmux.keys import chain_keys
 from kvmux.layout import KVLayout
 from kvmux.net.frames import MAGIC, Channel, Limits
 from kvmux.net.handshake import join_handshake, serve_handshake
 from kvmux.net.messages import PEER_PROTOCOL, Blocks, FetchReply, FetchRequest, expect
 from kvmux.registry import create_connector
+from kvmux.testing import cross_process
+from kvmux.testing.cross_process import Consumer, CrossProcessTests, statuses
 from kvmux.testing.peer import (
     PeerProcess,
     block_bytes,
@@ -36,12 +37,17 @@ from kvmux.testing.peer import (
 )
 from kvmux.testing.suite import hostile_peers as hostile
 
-from support import P2P_GRACE_S, P2P_TIMEOUT_S, Consumer, statuses, wait_until
+from support import P2P_GRACE_S, P2P_TIMEOUT_S, wait_until
 
 SEED = 7
 N = 64
 POOL_BYTES = 4 * 2**20
 """Small pools: a default 256 MiB one costs a noticeable fraction of a second to map."""
+CONFIG: dict[str, Any] = {
+    "backend": "tcp",
+    "timeout_s": P2P_TIMEOUT_S,
+    "capacity_bytes": POOL_BYTES,
+}
 
 
 def open_consumer(
@@ -49,13 +55,6 @@ def open_consumer(
 ) -> Consumer:
     """A registered consumer; ``strided`` KV tensors are views with gaps between rows,
     which cannot be received into directly (the staging path)."""
-    settings = {
-        "backend": "tcp",
-        "timeout_s": P2P_TIMEOUT_S,
-        "capacity_bytes": POOL_BYTES,
-        **config,
-    }
-    connector = create_connector(settings)
     caches = empty_caches(num_blocks, layout)
     if strided:
         caches = {
@@ -63,110 +62,66 @@ def open_consumer(
             for name, t in caches.items()
         }
         assert not any(t.is_contiguous() for t in caches.values())
-    connector.register(make_layout(caches), caches)
-    return Consumer(connector, caches)
-
-
-@pytest.fixture(scope="module")
-def producer() -> Iterator[PeerProcess]:
-    config = {"backend": "tcp", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": POOL_BYTES}
-    with spawn_peer(config, N, SEED) as peer:
-        yield peer
-
-
-@pytest.fixture(scope="module")
-def expected() -> torch.Tensor:
-    return block_bytes(make_caches(SEED, N), range(N))
-
-
-@pytest.fixture
-def consumer() -> Iterator[Consumer]:
-    c = open_consumer()
-    yield c
-    c.connector.close()
+    return cross_process.open_consumer({**CONFIG, **config}, num_blocks, caches=caches)
 
 
 # ------------------------------------------------------------ across processes
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous-kv", "strided-kv"])
-def test_blocks_from_another_process_arrive_byte_exact(
-    producer: PeerProcess, expected: torch.Tensor, strided: bool
-) -> None:
-    consumer = open_consumer(strided=strided)
-    try:
-        dst = list(range(2 * N - 1, N - 1, -1))  # reversed: no run of consecutive blocks
-        result = consumer.load(producer.keys, dst, producer.address)
-        assert result.ok, result.not_ok[:2]
-        assert result.nbytes == N * expected.shape[1]
-        assert torch.equal(consumer.blocks(dst), expected)
-    finally:
-        consumer.connector.close()
+class TestTcpAcrossProcesses(CrossProcessTests):
+    peer_config = CONFIG
+    blocks = N
+    seed = SEED
 
+    def test_blocks_from_another_process_arrive_byte_exact_into_strided_kv(
+        self, producer: PeerProcess, expected: torch.Tensor
+    ) -> None:
+        consumer = open_consumer(strided=True)
+        try:
+            dst = list(range(2 * N - 1, N - 1, -1))  # reversed: no run of consecutive blocks
+            result = consumer.load(producer.keys, dst, producer.address)
+            assert result.ok, result.not_ok[:2]
+            assert result.nbytes == N * expected.shape[1]
+            assert torch.equal(consumer.blocks(dst), expected)
+        finally:
+            consumer.connector.close()
 
-def test_unknown_keys_are_missing_and_leave_their_blocks_untouched(
-    producer: PeerProcess, consumer: Consumer, expected: torch.Tensor
-) -> None:
-    unknown = chain_keys(list(range(64)), 16, "nobody-saved-this")
-    keys = [producer.keys[0], unknown[0], producer.keys[5], unknown[1]]
-    result = consumer.load(keys, [0, 1, 2, 3], producer.address)
-    assert statuses(result) == ["ok", "missing", "ok", "missing"]
-    assert torch.equal(consumer.blocks([0, 2]), expected[[0, 5]])
-    assert not consumer.blocks([1, 3]).any()
+    def test_killed_producer_fails_keys_within_timeout(
+        self, producer: PeerProcess, expected: torch.Tensor
+    ) -> None:
+        big = 4096  # 64 MiB in 16 KiB blocks: long enough to kill mid-stream
+        consumer = open_consumer(num_blocks=big)
+        try:
+            with self.spawn_producer(big, capacity_bytes=80 * 2**20) as doomed:
+                assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1  # warm
+                start = time.monotonic()
+                handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
+                wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # flowing
+                doomed.kill()
+                result = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
+                assert time.monotonic() - start < P2P_TIMEOUT_S + 1
+            assert set(statuses(result)) <= {"ok", "failed"}
+            assert result.by_status(Status.OK), "block 0 had arrived before the kill"
+            assert result.by_status(Status.FAILED), "the producer died long before sending 64 MiB"
+            assert all(o.reason for _, o in result.not_ok)
+            ok = [i for i, o in enumerate(result.outcomes) if o.ok]
+            if ok:  # what did arrive is exact
+                assert torch.equal(consumer.blocks(ok), block_bytes(make_caches(SEED, big), ok))
+            # The consumer is unharmed: it loads from another producer at once.
+            again = consumer.load(producer.keys, list(range(N)), producer.address)
+            assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
+        finally:
+            consumer.connector.close()
 
-
-def test_lookup_counts_the_leading_keys_the_peer_holds(
-    producer: PeerProcess, consumer: Consumer
-) -> None:
-    conn, keys = consumer.connector, producer.keys
-    unknown = chain_keys(list(range(32)), 16, "nobody-saved-this")
-    assert conn.lookup(keys, producer.address) == N
-    assert conn.lookup(keys[:10] + unknown + keys[10:], producer.address) == 10
-    assert conn.lookup(unknown, producer.address) == 0
-    assert conn.lookup(make_keys(N + 50), producer.address) == N
-
-
-def test_a_consumer_with_another_layout_is_refused_at_handshake(producer: PeerProcess) -> None:
-    other = open_consumer(num_blocks=8, layout="other")
-    try:
-        result = other.load(producer.keys[:4], [0, 1, 2, 3], producer.address)
-        assert statuses(result) == ["failed"] * 4
-        reason = result.outcomes[0].reason or ""
-        assert "LayoutError" in reason and "layout mismatch" in reason
-        assert not other.blocks(range(4)).any()
-        assert other.connector.lookup(producer.keys, producer.address) == 0
-    finally:
-        other.connector.close()
-
-
-def test_killed_producer_fails_keys_within_timeout(
-    producer: PeerProcess, expected: torch.Tensor
-) -> None:
-    big = 4096  # 64 MiB in 16 KiB blocks: long enough to kill mid-stream
-    consumer = open_consumer(num_blocks=big)
-    try:
-        with spawn_peer(
-            {"backend": "tcp", "timeout_s": P2P_TIMEOUT_S, "capacity_bytes": 80 * 2**20}, big, SEED
-        ) as doomed:
-            assert consumer.connector.lookup(doomed.keys[:1], doomed.address) == 1  # warm link
-            start = time.monotonic()
-            handle = consumer.connector.load(doomed.keys, list(range(big)), doomed.address)
-            wait_until(lambda: bool(consumer.blocks([0]).any()), P2P_TIMEOUT_S)  # bytes flowing
-            doomed.kill()
-            result = handle.result(timeout=P2P_TIMEOUT_S + P2P_GRACE_S)
-            assert time.monotonic() - start < P2P_TIMEOUT_S + 1
-        assert set(statuses(result)) <= {"ok", "failed"}
-        assert result.by_status(Status.OK), "block 0 had arrived before the kill"
-        assert result.by_status(Status.FAILED), "the producer died long before sending 64 MiB"
-        assert all(o.reason for _, o in result.not_ok)
-        ok = [i for i, o in enumerate(result.outcomes) if o.ok]
-        if ok:  # what did arrive is exact
-            assert torch.equal(consumer.blocks(ok), block_bytes(make_caches(SEED, big), ok))
-        # The consumer is unharmed: it loads from another producer at once.
-        again = consumer.load(producer.keys, list(range(N)), producer.address)
-        assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
-    finally:
-        consumer.connector.close()
+    def test_an_unreachable_peer_fails_every_key_quickly(self, consumer: Consumer) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            port = probe.getsockname()[1]  # free once the probe closes
+        start = time.monotonic()
+        nowhere = {"host": "127.0.0.1", "port": port}
+        result = consumer.load(make_keys(3), [0, 1, 2], nowhere)
+        assert statuses(result) == ["failed"] * 3 and "connect" in (result.outcomes[0].reason or "")
+        assert consumer.connector.lookup(make_keys(3), nowhere) == 0
+        assert time.monotonic() - start < 2
 
 
 # ------------------------------------------------------------------ in process
@@ -362,16 +317,6 @@ def test_a_load_without_source_reads_the_own_pool(
     caches["layer.0"][:4].zero_()
     assert conn.load(make_keys(4), [0, 1, 2, 3]).result(5).ok
     assert torch.equal(block_bytes(caches, range(4)), before)
-
-
-def test_an_unreachable_peer_fails_every_key_quickly(consumer: Consumer) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        port = probe.getsockname()[1]  # free once the probe closes
-    start = time.monotonic()
-    result = consumer.load(make_keys(3), [0, 1, 2], {"host": "127.0.0.1", "port": port})
-    assert statuses(result) == ["failed"] * 3 and "connect" in (result.outcomes[0].reason or "")
-    assert consumer.connector.lookup(make_keys(3), {"host": "127.0.0.1", "port": port}) == 0
-    assert time.monotonic() - start < 2
 
 
 def test_address_is_plain_json_and_listens_on_loopback_by_default(

@@ -19,7 +19,16 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvmux.testing.vllm_engine import EngineProcess
-from vllm_e2e_support import BLOCK, MAX_TOKENS, PROMPTS, installed, prefill, spec, tokens
+from vllm_e2e_support import (
+    BLOCK,
+    MAX_TOKENS,
+    PROMPTS,
+    backend_param,
+    pd_engines,
+    prefill,
+    spec,
+    tokens,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,27 +44,15 @@ second wave of loads queued behind the first would need another whole timeout_s.
 
 @pytest.fixture(
     scope="module",
-    params=[
-        "tcp",
-        "shm",
-        pytest.param("nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="no nixl")),
-    ],
+    params=[backend_param("tcp"), backend_param("shm"), backend_param("nixl", "nixl")],
 )
 def pd(request: Any, tiny_model_dir: str) -> Iterator[tuple[EngineProcess, EngineProcess]]:
     backend = {"backend": request.param, "timeout_s": TIMEOUT_S, "vllm": {"lease_s": LEASE_S}}
-    producer = EngineProcess(
-        spec(tiny_model_dir, backend, "kv_producer", max_num_seqs=REQUESTS), wait=False
-    )
-    consumer = EngineProcess(
-        spec(tiny_model_dir, backend, "kv_consumer", max_num_seqs=REQUESTS), wait=False
-    )
-    try:
-        producer.wait_ready()
-        consumer.wait_ready()
-        yield producer, consumer
-    finally:
-        producer.stop()
-        consumer.stop()
+    with pd_engines(
+        spec(tiny_model_dir, backend, "kv_producer", max_num_seqs=REQUESTS),
+        spec(tiny_model_dir, backend, "kv_consumer", max_num_seqs=REQUESTS),
+    ) as engines:
+        yield engines
 
 
 def _stats(engine: EngineProcess) -> dict[str, float]:

@@ -13,7 +13,6 @@ Prompts and the reference: ``vllm_e2e_support``.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import Any
 
@@ -23,7 +22,15 @@ pytest.importorskip("vllm")
 
 from kvmux.models import TinyModelSpec, tiny_model
 from kvmux.testing.vllm_engine import EngineProcess
-from vllm_e2e_support import LOADED_BLOCKS, MAX_TOKENS, PROMPTS, prefill, spec, tokens
+from vllm_e2e_support import (
+    LOADED_BLOCKS,
+    MAX_TOKENS,
+    PROMPTS,
+    backend_param,
+    prefill,
+    spec,
+    tokens,
+)
 
 from support import free_port
 
@@ -33,11 +40,6 @@ TIMEOUT_S = 30.0
 """The backends' ``timeout_s``: a refusal that came from waiting it out would show."""
 FAST_S = 20.0
 """A decode whose loads are refused at once ends well before ``TIMEOUT_S``."""
-
-
-def _backend(name: str, module: str | None = None) -> Any:
-    missing = module is not None and importlib.util.find_spec(module) is None
-    return pytest.param(name, marks=pytest.mark.skipif(missing, reason=f"no {module}"))
 
 
 def _stats(engine: EngineProcess) -> dict[str, float]:
@@ -58,7 +60,9 @@ def _log_lines(engine: EngineProcess, *needles: str) -> list[str]:
     return [line for line in engine.log_tail(400).splitlines() if all(n in line for n in needles)]
 
 
-@pytest.mark.parametrize("backend", [_backend("tcp"), _backend("shm"), _backend("nixl", "nixl")])
+@pytest.mark.parametrize(
+    "backend", [backend_param("tcp"), backend_param("shm"), backend_param("nixl", "nixl")]
+)
 def test_a_prefill_restarted_on_its_port_is_never_read_as_the_old_one(
     tiny_model_dir: str, vllm_reference: list[list[int]], backend: str
 ) -> None:

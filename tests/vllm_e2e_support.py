@@ -9,8 +9,12 @@ needs vLLM's own prefix-cache hit as the reference instead).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from kvmux.models import random_prompts
 from kvmux.testing.vllm_engine import EngineProcess, EngineSpec
@@ -28,6 +32,32 @@ def installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def backend_param(name: str, module: str | None = None) -> Any:
+    """``name`` as a pytest parameter, skipped where ``module`` (the optional package the
+    backend needs) is not installed."""
+    missing = module is not None and not installed(module)
+    return pytest.param(name, marks=pytest.mark.skipif(missing, reason=f"no {module}"), id=name)
+
+
+@contextlib.contextmanager
+def pd_engines(
+    producer: EngineSpec, consumer: EngineSpec, **engine: Any
+) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+    """A prefill and a decode engine, started together (their slow starts overlap) and
+    ready; both stopped by PID when the ``with`` block ends, whatever happened in it.
+    ``engine``: more :class:`EngineProcess` arguments (``start_timeout_s``)."""
+    started: list[EngineProcess] = []
+    try:
+        for role in (producer, consumer):
+            started.append(EngineProcess(role, wait=False, **engine))
+        for process in started:
+            process.wait_ready()
+        yield started[0], started[1]
+    finally:
+        for process in started:
+            process.stop()
 
 
 def spec(model: str, backend: dict[str, Any] | None, role: str = "kv_both", **kw: Any) -> Any:

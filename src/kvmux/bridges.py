@@ -8,7 +8,6 @@ the other two for free (the registry applies them when a name is found in the
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from kvmux.buffer import LookupBuffer
 from kvmux.capabilities import Capabilities
@@ -27,34 +26,65 @@ from kvmux.connector import Address, Connector, Health
 from kvmux.errors import ClosedError, ProtocolError, TransferError, TransferTimeout
 from kvmux.handle import MISSING, OK, Handle, Outcome, failed
 from kvmux.keys import BlockKey
+from kvmux.net.messages import Count, Message, WireProtocol
 from kvmux.pipe import Pipe
 
 log = logging.getLogger(__name__)
 
 
-class _PipeMessage(BaseModel):
-    """Header of every message a PipeLookupBuffer sends; a payload tensor follows it."""
+class _BufferRequest(Message):
+    """What one end of a PipeLookupBuffer asks the other; ``id`` pairs it with its reply."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str
+    id: Count
 
-    kind: Literal["contains", "count", "drop", "reply"]
-    id: int
-    key: str | None = None
-    timeout: float = 0.0
+
+class ContainsRequest(_BufferRequest):
+    kind: Literal["contains"] = "contains"
+    key: str
+
+
+class DropRequest(_BufferRequest):
+    """Take ``key`` out and send it back, waiting up to ``timeout`` s for it to arrive."""
+
+    kind: Literal["drop"] = "drop"
+    key: str
+    timeout: float
+
+
+class CountRequest(_BufferRequest):
+    """How many of these leading keys are present."""
+
+    kind: Literal["count"] = "count"
+    keys: list[str]
+
+
+class BufferReply(Message):
+    """The answer to request ``id``; a ``drop``'s block, if ``found``, is its payload."""
+
+    kind: Literal["reply"] = "reply"
+    id: Count
     found: bool = False
-    keys: list[str] | None = None
-    """``count``: how many of these leading keys are present."""
-    count: int = 0
+    count: Count = 0
+
+
+BUFFER_PROTOCOL = WireProtocol(
+    "pipe_buffer", ContainsRequest, DropRequest, CountRequest, BufferReply
+)
+"""What two PipeLookupBuffers say to each other. It rides on a Pipe, not on a socket:
+each message is a header tensor (its JSON bytes) and a payload tensor (or None), so
+the validation by kind is :mod:`kvmux.net.messages`' but the framing is the Pipe's."""
 
 
 class PipeLookupBuffer(LookupBuffer):
     """A lookup buffer over one Pipe: each end keeps what it inserted, and
     ``drop_select``/``contains`` ask the *other* end.
 
-    Every message is two tensors: a JSON header (validated, never unpickled)
-    and a payload (the block, or None). One reader thread routes replies to
-    waiting callers and serves the peer's requests on a small pool, so a peer
-    waiting for a slow insert never blocks the channel.
+    Every message is two tensors: a JSON header (a :data:`BUFFER_PROTOCOL`
+    message, validated, never unpickled) and a payload (the block, or None).
+    One reader thread routes replies to waiting callers and serves the peer's
+    requests on a small pool, so a peer waiting for a slow insert never blocks
+    the channel.
     """
 
     capabilities = Capabilities(p2p=True, one_peer=True, consumes_on_load=True)
@@ -66,7 +96,7 @@ class PipeLookupBuffer(LookupBuffer):
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future[tuple[_PipeMessage, torch.Tensor | None]]] = {}
+        self._pending: dict[int, Future[tuple[BufferReply, torch.Tensor | None]]] = {}
         self._pending_lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._servers = ThreadPoolExecutor(4, thread_name_prefix="kvmux-pipebuf")
@@ -83,17 +113,18 @@ class PipeLookupBuffer(LookupBuffer):
 
     # remote side
     def drop_select(self, key: BlockKey, timeout: float) -> torch.Tensor | None:
-        reply, payload = self._request("drop", key, timeout)
+        request = DropRequest(id=next(self._ids), key=key.id, timeout=timeout)
+        reply, payload = self._exchange(request, timeout)
         return payload if reply.found else None
 
     def contains(self, key: BlockKey) -> bool:
-        reply, _ = self._request("contains", key, 0.0)
+        reply, _ = self._exchange(ContainsRequest(id=next(self._ids), key=key.id), 0.0)
         return reply.found
 
     def count_leading(self, keys: Sequence[BlockKey]) -> int:
         """One round trip for the whole prefix, not one per key."""
-        msg = _PipeMessage(kind="count", id=next(self._ids), keys=[k.id for k in keys])
-        reply, _ = self._exchange(msg, 0.0)
+        request = CountRequest(id=next(self._ids), keys=[k.id for k in keys])
+        reply, _ = self._exchange(request, 0.0)
         return reply.count
 
     def address(self) -> dict[str, Any]:
@@ -117,18 +148,14 @@ class PipeLookupBuffer(LookupBuffer):
 
     # ------------------------------------------------------------------ internals
 
-    def _request(
-        self, kind: Literal["contains", "drop"], key: BlockKey, wait: float
-    ) -> tuple[_PipeMessage, torch.Tensor | None]:
-        msg = _PipeMessage(kind=kind, id=next(self._ids), key=key.id, timeout=wait)
-        return self._exchange(msg, wait)
-
-    def _exchange(self, msg: _PipeMessage, wait: float) -> tuple[_PipeMessage, torch.Tensor | None]:
+    def _exchange(
+        self, msg: _BufferRequest, wait: float
+    ) -> tuple[BufferReply, torch.Tensor | None]:
         if self._closed:
             raise ClosedError("lookup buffer closed")
         if self._broken is not None:
             raise TransferError(f"pipe to peer is broken: {self._broken}")
-        fut: Future[tuple[_PipeMessage, torch.Tensor | None]] = Future()
+        fut: Future[tuple[BufferReply, torch.Tensor | None]] = Future()
         with self._pending_lock:
             self._pending[msg.id] = fut
         try:
@@ -140,8 +167,8 @@ class PipeLookupBuffer(LookupBuffer):
             with self._pending_lock:
                 self._pending.pop(msg.id, None)
 
-    def _send(self, msg: _PipeMessage, payload: torch.Tensor | None) -> None:
-        header = torch.frombuffer(bytearray(msg.model_dump_json().encode()), dtype=torch.uint8)
+    def _send(self, msg: Message, payload: torch.Tensor | None) -> None:
+        header = torch.frombuffer(bytearray(BUFFER_PROTOCOL.dump_json(msg)), dtype=torch.uint8)
         with self._send_lock:
             self.pipe.send_tensor(header)
             self.pipe.send_tensor(payload)
@@ -155,12 +182,13 @@ class PipeLookupBuffer(LookupBuffer):
                     continue
                 payload = self.pipe.recv_tensor(timeout=self.config.timeout_s)
                 msg = self._parse(header)
-                if msg.kind == "reply":
+                if isinstance(msg, BufferReply):
                     with self._pending_lock:
                         fut = self._pending.get(msg.id)
                     if fut is not None and not fut.done():
                         fut.set_result((msg, payload))
                 else:
+                    assert isinstance(msg, _BufferRequest)  # every other kind is a request
                     self._servers.submit(self._serve, msg)
         except Exception as exc:  # the channel is dead; waiting callers learn why
             if not self._closed:
@@ -168,19 +196,19 @@ class PipeLookupBuffer(LookupBuffer):
             self._fail_pending(exc)
 
     @staticmethod
-    def _parse(header: torch.Tensor | None) -> _PipeMessage:
+    def _parse(header: torch.Tensor | None) -> Message:
         if header is None or header.dtype != torch.uint8 or header.dim() != 1:
             raise ProtocolError("expected a uint8 message header from the peer")
         try:
-            return _PipeMessage.model_validate(json.loads(header.numpy().tobytes()))
-        except (ValueError, ValidationError) as exc:
+            return BUFFER_PROTOCOL.validate_json(header.numpy().tobytes())
+        except ValidationError as exc:
             raise ProtocolError(f"malformed message header: {exc}") from None
 
-    def _serve(self, msg: _PipeMessage) -> None:
+    def _serve(self, msg: _BufferRequest) -> None:
         try:
             reply, payload, key = self._answer(msg)
-        except ValueError as exc:  # a request without its keys, or a malformed key id
-            reply, payload, key = _PipeMessage(kind="reply", id=msg.id), None, None
+        except ValueError as exc:  # a malformed key id
+            reply, payload, key = BufferReply(id=msg.id), None, None
             log.warning("peer sent a bad %s request: %s", msg.kind, exc)
         try:
             self._send(reply, payload)
@@ -189,25 +217,24 @@ class PipeLookupBuffer(LookupBuffer):
                 self.insert(key, payload)
 
     def _answer(
-        self, msg: _PipeMessage
-    ) -> tuple[_PipeMessage, torch.Tensor | None, BlockKey | None]:
-        if msg.kind == "count":
-            keys = [BlockKey.from_id(k) for k in msg.keys or ()]
+        self, msg: _BufferRequest
+    ) -> tuple[BufferReply, torch.Tensor | None, BlockKey | None]:
+        if isinstance(msg, CountRequest):
+            keys = [BlockKey.from_id(k) for k in msg.keys]
             with self._cond:
                 count = next((i for i, k in enumerate(keys) if k not in self._store), len(keys))
-            return _PipeMessage(kind="reply", id=msg.id, count=count), None, None
-        if msg.key is None:
-            raise ValueError("no key")
+            return BufferReply(id=msg.id, count=count), None, None
+        assert isinstance(msg, ContainsRequest | DropRequest)
         key = BlockKey.from_id(msg.key)
         payload: torch.Tensor | None = None
         with self._cond:
-            if msg.kind == "drop":
+            if isinstance(msg, DropRequest):
                 self._cond.wait_for(lambda: key in self._store or self._closed, msg.timeout)
                 payload = self._store.pop(key, None)
                 found = payload is not None
             else:
                 found = key in self._store
-        return _PipeMessage(kind="reply", id=msg.id, found=found), payload, key
+        return BufferReply(id=msg.id, found=found), payload, key
 
     def _fail_pending(self, exc: Exception) -> None:
         with self._pending_lock:

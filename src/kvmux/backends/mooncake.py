@@ -45,8 +45,8 @@ from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout
 from kvmux.net.advertise import advertised_host
 from kvmux.net.client import Link
-from kvmux.net.messages import MooncakeLocateReply
 from kvmux.net.mooncake_engine import MooncakeEngine
+from kvmux.net.mooncake_messages import MooncakeLocateReply
 from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 
 

@@ -39,8 +39,9 @@ from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
 from kvmux.layout import KVLayout
 from kvmux.net.client import Link
-from kvmux.net.messages import NixlLocateReply, Unpin
+from kvmux.net.messages import Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
+from kvmux.net.nixl_messages import NixlLocateReply
 from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 from kvmux.net.server import Session
 

@@ -27,10 +27,10 @@ from pydantic import Field
 
 from kvmux.errors import TransferError
 from kvmux.net.client import Link
-from kvmux.net.messages import LocateReply
 from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
 from kvmux.net.served_pool import PeerAddress
+from kvmux.net.shm_messages import LocateReply
 
 _MAPPED_PEERS = 8
 """Producers whose segments stay mapped at once; a mapping pins the producer's memory."""

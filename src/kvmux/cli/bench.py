@@ -96,37 +96,19 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve: colocated prefill chunks, --max-num-batched-tokens "
         f"(default {_listed(d.chunk_sizes)}; empty: no colocated runs)",
     )
-    serve.add_argument(
-        "--duration-s",
-        type=float,
-        default=d.duration_s,
-        help=f"serve: seconds of Poisson arrivals per rate (default {d.duration_s:g})",
-    )
+    mix, slo = d.mix, d.slo
+    numbers: list[tuple[str, type[float] | type[int], float, str]] = [
+        ("--duration-s", float, d.duration_s, "seconds of Poisson arrivals per rate"),
+        ("--long-prompt-tokens", int, mix.long_prompt_tokens, "prompt of the long-prompt requests"),
+        ("--long-output-tokens", int, mix.long_output_tokens, "output of the long-output requests"),
+        ("--slo-ttft-ms", float, slo.ttft_ms, "goodput's bound on TTFT"),
+        ("--slo-itl-ms", float, slo.itl_ms, "goodput's bound on every token gap"),
+    ]
+    for flag, kind, default, what in numbers:
+        serve.add_argument(
+            flag, type=kind, default=default, help=f"serve: {what} (default {default:g})"
+        )
     serve.add_argument("--seed", type=int, default=d.seed, help="serve: arrivals and prompts")
-    serve.add_argument(
-        "--long-prompt-tokens",
-        type=int,
-        default=d.mix.long_prompt_tokens,
-        help=f"serve: prompt of the long-prompt requests (default {d.mix.long_prompt_tokens})",
-    )
-    serve.add_argument(
-        "--long-output-tokens",
-        type=int,
-        default=d.mix.long_output_tokens,
-        help=f"serve: output of the long-output requests (default {d.mix.long_output_tokens})",
-    )
-    serve.add_argument(
-        "--slo-ttft-ms",
-        type=float,
-        default=d.slo.ttft_ms,
-        help=f"serve: goodput's bound on TTFT (default {d.slo.ttft_ms:g})",
-    )
-    serve.add_argument(
-        "--slo-itl-ms",
-        type=float,
-        default=d.slo.itl_ms,
-        help=f"serve: goodput's bound on every token gap (default {d.slo.itl_ms:g})",
-    )
     serve.add_argument(
         "--no-crosscheck",
         action="store_true",

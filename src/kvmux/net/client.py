@@ -28,7 +28,7 @@ from typing import TypeVar
 from kvmux.errors import ClosedError, PeerRestartedError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
 from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, join_handshake
-from kvmux.net.messages import PEER_PROTOCOL, Service
+from kvmux.net.messages import PEER_PROTOCOL, Service, check_service
 
 T = TypeVar("T")
 _IDLE_PER_PEER = 4
@@ -55,7 +55,7 @@ class PeerClient:
         terms: Callable[[], Terms],
         on_restart: Callable[[tuple[str, int]], None] = lambda endpoint: None,
     ) -> None:
-        self._service = service
+        self._service = check_service(service)
         self._limits = limits
         self._secret = secret
         self._terms = terms

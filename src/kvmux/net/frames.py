@@ -1,10 +1,11 @@
 """Framing: validated headers and raw payloads over one socket, every wait bounded.
 
 A frame is ``MAGIC | header length (u32, big endian) | JSON header | payload``;
-the header is a :mod:`kvmux.net.messages` model and says how many payload
-bytes follow. Headers are read through a small read-ahead buffer, and only as
-their bytes arrive: a peer that announces a large header and stalls holds no
-more memory than it has sent (an up-front buffer of the announced size let 200
+the header is a message of the channel's
+:class:`~kvmux.net.messages.WireProtocol` and says how many payload bytes
+follow. Headers are read through a small read-ahead buffer, and only as their
+bytes arrive: a peer that announces a large header and stalls holds no more
+memory than it has sent (an up-front buffer of the announced size let 200
 stalled connections cost a server 200 MB). Payloads go straight between the
 socket and their final memory with scatter/gather ``recvmsg_into``/``sendmsg``,
 so a block crosses the socket without a copy of ours. Anything that is not a
@@ -33,12 +34,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from kvmux.errors import ProtocolError, TransferError, TransferTimeout
-from kvmux.net.messages import Message
+from kvmux.net.messages import Message, WireProtocol
 
 MAGIC = b"KVMX"
 PREFIX = struct.Struct("!4sI")
@@ -65,7 +65,7 @@ class Channel:
     def __init__(
         self,
         sock: socket.socket,
-        protocol: TypeAdapter[Any],
+        protocol: WireProtocol,
         limits: Limits,
         *,
         read_ahead: int = READ_AHEAD,

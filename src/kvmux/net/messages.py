@@ -1,12 +1,15 @@
-"""The wire protocol: every message two kvmux peers exchange, as pydantic models.
+"""The wire protocol: the messages two kvmux peers exchange, as pydantic models.
 
-These models are the single source of truth for the protocol. A frame's JSON
-header is validated against one of the two discriminated unions below (by its
-``kind``), so a peer can only ever send what is declared here; raw bytes
-follow a header only when its ``payload_nbytes()`` says so. Nothing is ever
-unpickled.
+A :class:`WireProtocol` is the set of messages one kind of conversation may
+carry, keyed by their ``kind``. A frame's JSON header is validated against
+the registered classes only (by its ``kind``), so a peer can only ever send
+what some transport declared; raw bytes follow a header only when its
+``payload_nbytes()`` says so. Nothing is ever unpickled. The set is open:
+a transport registers its own messages (:meth:`WireProtocol.register`) next
+to its code, as shm, NIXL and Mooncake do with their locate replies, so a
+third-party transport reuses the pool conversation without editing kvmux.
 
-Conversation of the pool connectors (``tcp``, ``shm``)::
+Conversation of the pool connectors (``tcp``, ``shm``, ``nixl``, ``mooncake``)::
 
     server → hello        client → join        server → welcome | error
     client → lookup       server → lookup_reply
@@ -26,10 +29,23 @@ way, then ``tensor`` / ``no_tensor`` frames in both directions.
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Iterator, Sequence
+from functools import reduce
 from itertools import groupby
-from operator import itemgetter
-from typing import Annotated, Any, ClassVar, Final, Literal, Self, TypeVar
+from operator import itemgetter, or_
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Final,
+    Literal,
+    Self,
+    TypeVar,
+    get_args,
+    get_origin,
+)
 
 import numpy as np
 import numpy.typing as npt
@@ -73,12 +89,14 @@ KeyRun = tuple[
 Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Mac = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Fingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,128}$")]
-SegmentName = Annotated[str, StringConstraints(pattern=r"^kvmux-[0-9]+-[0-9a-f]{16}$")]
-"""A shared-memory segment name; the pattern keeps a peer from naming any other file."""
 LeaseId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 """A publication's id (:func:`kvmux.publications.new_lease_id`): 128 random bits, so
 only whoever was given the params can renew or release it."""
-Service = Literal["tcp", "shm", "nixl", "mooncake"]
+SHORT_NAME = r"^[a-z][a-z0-9_]{0,31}$"
+"""What a service name or a message kind looks like: short, lowercase, stable."""
+Service = Annotated[str, StringConstraints(pattern=SHORT_NAME)]
+"""A pool transport's name (``tcp``, ``shm``, a third party's own), said at the
+handshake: both ends of a connection must name the same one."""
 Count = Annotated[int, Field(ge=0)]
 FrameLimit = Annotated[int, Field(ge=1)]
 
@@ -308,56 +326,6 @@ def pack_rows(rows: Sequence[int | None] | npt.NDArray[np.integer[Any]]) -> byte
     return np.array([-1 if row is None else row for row in rows], dtype="<i4").tobytes()
 
 
-class LocateReply(PinReply):
-    """Where the pinned blocks are: row ``rows[i]`` of the pool at ``offset`` in
-    ``segment`` (-1: missing). The pin lasts ``lease_s`` or until ``unpin``.
-    ``segment`` and ``token`` are None only from a producer with no pool yet."""
-
-    kind: Literal["locate_reply"] = "locate_reply"
-    segment: SegmentName | None
-    token: Hex16 | None
-    offset: Count
-
-    @model_validator(mode="after")
-    def _segment_if_found(self) -> Self:
-        if (self.row_array() >= 0).any() and (self.segment is None or self.token is None):
-            raise ValueError("rows without a segment to read them from")
-        return self
-
-
-AgentName = Annotated[str, StringConstraints(pattern=r"^kvmux-[0-9]+-[0-9a-f]{16}$")]
-"""A NIXL agent's name as kvmux creates them (pid and a random token)."""
-AgentMetadata = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9+/]*={0,2}$", max_length=2**20)
-]
-"""A NIXL agent's metadata blob, base64: opaque bytes NIXL itself parses."""
-
-
-class NixlLocateReply(PinReply):
-    """Where the pinned blocks are in the producer's NIXL-registered pool: row
-    ``rows[i]`` (-1: missing) of ``slots`` rows of ``block_nbytes`` at address
-    ``base``. ``metadata`` (base64, for ``add_remote_agent``) comes with the first
-    reply on a connection; later replies send only the agent's name. The pin
-    lasts ``lease_s`` or until the consumer's notification (or ``unpin``)."""
-
-    kind: Literal["nixl_locate_reply"] = "nixl_locate_reply"
-    agent: AgentName
-    metadata: AgentMetadata | None
-    base: Count
-
-
-class MooncakeLocateReply(PinReply):
-    """Where the pinned blocks are in the producer's Transfer-Engine-registered pool:
-    row ``rows[i]`` (-1: missing) of ``slots`` rows of ``block_nbytes`` at address
-    ``base``, readable through the engine whose RPC port is ``te_port`` on the host
-    the client already reached (never a host the server names: a server cannot
-    point a client at a third machine). The pin lasts ``lease_s`` or until ``unpin``."""
-
-    kind: Literal["mooncake_locate_reply"] = "mooncake_locate_reply"
-    te_port: Annotated[int, Field(ge=1, le=65535)]
-    base: Count
-
-
 class Unpin(Message):
     """The client is done copying; no reply."""
 
@@ -434,32 +402,115 @@ class NoTensor(Message):
     kind: Literal["no_tensor"] = "no_tensor"
 
 
-PeerMessage = Annotated[
-    Hello
-    | Join
-    | Welcome
-    | Error
-    | LookupRequest
-    | LookupReply
-    | FetchRequest
-    | FetchReply
-    | Blocks
-    | LocateRequest
-    | LocateReply
-    | NixlLocateReply
-    | MooncakeLocateReply
-    | Unpin
-    | Renew
-    | Release
-    | LeaseReply,
-    Field(discriminator="kind"),
-]
-PipeMessage = Annotated[PipeHello | TensorHeader | NoTensor, Field(discriminator="kind")]
-
 M = TypeVar("M", bound=Message)
 
-PEER_PROTOCOL: TypeAdapter[Any] = TypeAdapter(PeerMessage)
-PIPE_PROTOCOL: TypeAdapter[Any] = TypeAdapter(PipeMessage)
+
+class WireProtocol:
+    """The messages one kind of conversation may carry, by ``kind``: a header is
+    validated against exactly these, and a message of any other kind is refused
+    on receipt (:meth:`validate_json` fails) and on sending (:meth:`dump_json`).
+
+    It is open: a transport adds its own messages with :meth:`register` (a class
+    decorator) in the module that defines them, so a third party extends the pool
+    protocol (:data:`PEER_PROTOCOL`) without editing kvmux. Each kind names one
+    class for good; registering another class under a taken kind is refused.
+    """
+
+    def __init__(self, name: str, *messages: type[Message]) -> None:
+        self.name = name
+        self._classes: dict[str, type[Message]] = {}
+        self._adapter: TypeAdapter[Any] | None = None
+        self._lock = threading.Lock()
+        for cls in messages:
+            self.register(cls)
+
+    def register(self, cls: type[M]) -> type[M]:
+        """Add ``cls`` (a :class:`Message` with ``kind: Literal["its_kind"]``) to this
+        protocol and return it unchanged. Registering it again is harmless."""
+        if not (isinstance(cls, type) and issubclass(cls, Message)):
+            raise TypeError(f"{cls!r} is not a kvmux.net.messages.Message")
+        field = cls.model_fields.get("kind")
+        if field is None or get_origin(field.annotation) is not Literal:
+            raise TypeError(f"{cls.__name__} has no kind: Literal[...] field")
+        if get_args(field.annotation) != (field.default,):
+            raise TypeError(f"{cls.__name__}.kind must be one Literal, its default")
+        kind = _short_name("message kind", field.default)
+        with self._lock:
+            taken = self._classes.get(kind)
+            if taken is not None and taken is not cls:
+                raise ValueError(
+                    f"kind {kind!r} of the {self.name} protocol is {taken.__module__}."
+                    f"{taken.__qualname__}'s; {cls.__module__}.{cls.__qualname__} needs another"
+                )
+            self._classes[kind] = cls
+            self._adapter = None
+        return cls
+
+    def validate_json(self, raw: bytes) -> Message:
+        """The message ``raw`` (one JSON header) holds; a pydantic ValidationError if it
+        is not exactly one of the registered kinds, with nothing extra."""
+        message: Message = self._validator().validate_json(raw)
+        return message
+
+    def dump_json(self, msg: Message) -> bytes:
+        """``msg`` as a header; a ProtocolError if its class is not registered here."""
+        if self._classes.get(getattr(msg, "kind", "")) is not type(msg):
+            raise ProtocolError(
+                f"{type(msg).__name__} is not a message of the {self.name} protocol"
+            )
+        return msg.__pydantic_serializer__.to_json(msg)
+
+    def _validator(self) -> TypeAdapter[Any]:
+        """The discriminated union of the registered classes, rebuilt after a registration."""
+        adapter = self._adapter
+        if adapter is None:
+            with self._lock:
+                classes = tuple(self._classes.values())
+                if len(classes) == 1:
+                    adapter = TypeAdapter(classes[0])
+                else:
+                    union: Any = reduce(or_, classes)  # Hello | Join | ...
+                    adapter = TypeAdapter(Annotated[union, Field(discriminator="kind")])
+                self._adapter = adapter
+        return adapter
+
+
+def check_service(name: str) -> str:
+    """``name`` if it is a valid :data:`Service`; ValueError otherwise."""
+    return _short_name("service name", name)
+
+
+def _short_name(what: str, name: object) -> str:
+    if not (isinstance(name, str) and re.fullmatch(SHORT_NAME, name)):
+        raise ValueError(
+            f"{what} {name!r} is not a short lowercase name (a letter, then up to 31 "
+            "letters, digits or _)"
+        )
+    return name
+
+
+PEER_PROTOCOL = WireProtocol(
+    "pool",
+    Hello,
+    Join,
+    Welcome,
+    Error,
+    LookupRequest,
+    LookupReply,
+    FetchRequest,
+    FetchReply,
+    Blocks,
+    LocateRequest,
+    Unpin,
+    Renew,
+    Release,
+    LeaseReply,
+)
+"""What the pool connections carry. Transports register their own replies in it
+(:mod:`kvmux.net.shm_messages`, :mod:`~kvmux.net.nixl_messages`,
+:mod:`~kvmux.net.mooncake_messages`)."""
+PIPE_PROTOCOL = WireProtocol("pipe", PipeHello, TensorHeader, NoTensor)
+"""What a :class:`~kvmux.pipes.tcp.TcpPipe` carries."""
 
 
 def expect(msg: Message, cls: type[M]) -> M:

@@ -31,7 +31,7 @@ from typing import Any
 from kvmux.errors import KvmuxError, ProtocolError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
 from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, serve_handshake
-from kvmux.net.messages import PEER_PROTOCOL, Error, Message, Service
+from kvmux.net.messages import PEER_PROTOCOL, Error, Message, Service, check_service
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class FrameServer:
         handlers: dict[type[Message], Handler],
         on_close: Callable[[Session], None],
     ) -> None:
-        self._service = service
+        self._service = check_service(service)
         self._limits = limits
         self._server_limits = server_limits
         self._timeout_s = timeout_s
