@@ -14,7 +14,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -639,6 +639,43 @@ async def test_an_unreachable_prefill_is_taken_out_and_its_request_served_by_ano
     assert "Connect" in down["last_problem"] or "refused" in down["last_problem"]
     (note,) = [r.getMessage() for r in caplog.records if "taken out" in r.getMessage()]
     assert f"prefill upstream {dead} taken out of rotation" in note
+
+
+@contextlib.contextmanager
+def silent_listener() -> Iterator[str]:
+    """A URL whose connects get no answer, as to a host whose cable was pulled: a
+    listener with a full accept queue, whose kernel drops further SYNs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        queued = []
+        try:
+            for _ in range(3):  # more than the queue holds: the rest wait unanswered
+                client = socket.socket()
+                client.setblocking(False)
+                client.connect_ex(sock.getsockname())
+                queued.append(client)
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            for client in queued:
+                client.close()
+
+
+@in_loop
+async def test_a_prefill_whose_connect_goes_unanswered_is_taken_out_in_unreachable_after_s() -> (
+    None
+):
+    with silent_listener() as silent:
+        async with stack([FakeVllm("p1")], first_prefill=[silent], unreachable_after_s=0.5) as s:
+            started = time.monotonic()
+            status, _, seen = await s.post_seen("/v1/completions", {"prompt": "hi"})
+            took = time.monotonic() - started
+            stats = await s.stats()
+    assert (status, seen[0]) == (200, s.url_of_prefill[1])
+    assert took < 3, "the connect was given unreachable_after_s, not the request's deadline"
+    down = stats["prefill"][silent]
+    assert (down["in_rotation"], down["sent"], down["taken_out"]) == (False, 1, 1)
+    assert "timeout" in down["last_problem"].lower(), down["last_problem"]
 
 
 @in_loop
