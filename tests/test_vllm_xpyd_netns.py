@@ -1,14 +1,15 @@
 """xPyD across hosts: ``kvmux proxy``, two prefill and two decode vLLM servers, each
-on a host of its own (network namespaces of :mod:`kvmux.testing.netns`).
+on a host of its own (network namespaces of :mod:`kvmux.testing.netns`), over
+kvmux's ``tcp`` backend and, where it is installed, ``nixl`` (UCX over TCP).
 
 Five hosts on one switch: ``proxy`` runs ``kvmux proxy`` (the CLI, listening on
 its 10.x address) and is where the test's client sits (its sockets are opened
 in that host's network, :meth:`kvmux.testing.netns.Host.entered`); ``p0``,
 ``p1``, ``d0``, ``d1`` run one vLLM API server each, listening on their own
-10.x address, with kvmux's ``tcp`` backend bound to ``0.0.0.0`` and
-advertising that address: each decode pulls a request's KV from whichever
+10.x address, with the kvmux backend bound to ``0.0.0.0`` and advertising
+that address: each decode pulls a request's KV from whichever
 prefill served it, across hosts. The servers start side by side; one
-cluster serves the module and its tests run in order on it.
+cluster per backend serves the module and its tests run in order on it.
 
 Then ``p0``'s link is cut while two clients keep sending requests: the proxy
 notices the silent host (``--unreachable-after-s``, :mod:`kvmux.proxy.liveness`),
@@ -26,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,7 @@ from kvmux.demo.run import stop_all
 from kvmux.demo.servers import VllmServer
 from kvmux.models import tiny_model
 from kvmux.testing import netns
+from vllm_e2e_support import installed
 from xpyd_support import (
     BLOCKS,
     SPEC,
@@ -54,8 +57,10 @@ pytestmark = [
 PROXY_PORT = 8000
 UNREACHABLE_AFTER_S = 3.0
 LOAD_TIMEOUT_S = 8.0
-"""The tcp backend's ``timeout_s``: a decode pulling from the cut host gives up then."""
-BACKEND = {"host": "0.0.0.0", "timeout_s": LOAD_TIMEOUT_S}
+"""The backend's ``timeout_s``: a decode pulling from the cut host gives up then."""
+BACKEND_ENV: dict[str, dict[str, str]] = {"tcp": {}, "nixl": {"UCX_TLS": "tcp,self"}}
+"""NIXL between hosts: UCX over TCP (its same-host transports would find the
+other namespace on this kernel and bypass the network)."""
 
 
 @dataclass
@@ -66,25 +71,44 @@ class Hosts:
     client: Xpyd
 
 
-def _server(host: netns.Host, name: str, args: list[str], log_dir: object) -> VllmServer:
-    model_dir = tiny_model(SPEC)
+def _server(
+    host: netns.Host, name: str, args: list[str], log_dir: Path, env: dict[str, str]
+) -> VllmServer:
     return VllmServer(
-        name, model_dir, args, log_dir=str(log_dir), host=host.address, prefix=host.command([])
+        name,
+        tiny_model(SPEC),
+        args,
+        log_dir=log_dir,
+        env=env,
+        host=host.address,
+        prefix=host.command([]),
     )
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "tcp",
+        pytest.param("nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="no nixl")),
+    ],
+)
+def hosts(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hosts]:
     pytest.importorskip("vllm")
     pytest.importorskip("aiohttp")
-    log_dir = tmp_path_factory.mktemp("xpyd-netns-logs")
+    name = request.param
+    backend = {"backend": name, "host": "0.0.0.0", "timeout_s": LOAD_TIMEOUT_S}
+    env = BACKEND_ENV[name]
+    log_dir = tmp_path_factory.mktemp(f"xpyd-netns-{name}-logs")
     with netns.topology("proxy", "p0", "p1", "d0", "d1") as net:
         prefill = [
-            _server(net[f"p{i}"], f"prefill-{i}", prefill_args(**BACKEND), log_dir)
+            _server(net[f"p{i}"], f"prefill-{i}", prefill_args(**backend), log_dir, env)
             for i in range(2)
         ]
         decode = [
-            _server(net[f"d{i}"], f"decode-{i}", decode_args(**BACKEND), log_dir) for i in range(2)
+            _server(net[f"d{i}"], f"decode-{i}", decode_args(**backend), log_dir, env)
+            for i in range(2)
         ]
         servers = [*prefill, *decode]
         front = net["proxy"]
