@@ -30,18 +30,26 @@ from aiohttp.connector import AddrInfoType, SocketFactoryType
 
 def silent_host_detecting(unreachable_after_s: float) -> SocketFactoryType:
     """An aiohttp ``socket_factory`` whose sockets fail within about
-    ``unreachable_after_s`` once their peer's host stops acknowledging."""
+    ``unreachable_after_s`` once their peer's host stops acknowledging. The
+    keepalive options are Linux's; a platform without one of them (macOS has no
+    ``TCP_USER_TIMEOUT``) goes without it, and only the connect timeout applies."""
     quiet_s = max(1, round(unreachable_after_s / 3))
-    user_timeout_ms = max(1, round(unreachable_after_s * 1000))
+    wanted = {
+        "TCP_KEEPIDLE": quiet_s,
+        "TCP_KEEPINTVL": quiet_s,
+        "TCP_USER_TIMEOUT": max(1, round(unreachable_after_s * 1000)),  # milliseconds
+    }
+    options = [
+        (getattr(socket, name), value) for name, value in wanted.items() if hasattr(socket, name)
+    ]
 
     def make(addr_info: AddrInfoType) -> socket.socket:
         family, type_, proto, _, _ = addr_info
         sock = socket.socket(family=family, type=type_, proto=proto)
         if family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, quiet_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, quiet_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+            for option, value in options:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
         return sock
 
     return make
