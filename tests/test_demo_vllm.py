@@ -451,6 +451,16 @@ def test_pinned_server_and_its_threads_stay_on_the_given_cores(tmp_path: Path) -
     assert VllmServer("free", "no-model", log_dir=tmp_path).command[0] == sys.executable
 
 
+def test_a_server_given_a_host_and_a_prefix_listens_there_and_runs_through_the_prefix(
+    tmp_path: Path,
+) -> None:
+    prefix = ["ip", "netns", "exec", "somewhere"]
+    server = VllmServer("away", "no-model", log_dir=tmp_path, host="10.9.0.3", prefix=prefix)
+    assert server.command[: len(prefix) + 1] == [*prefix, sys.executable]
+    assert server.command[server.command.index("--host") + 1] == "10.9.0.3"
+    assert server.url == f"http://10.9.0.3:{server.port}"
+
+
 def _wait_for_child(log: Path, timeout_s: float = 30) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

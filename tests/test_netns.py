@@ -11,6 +11,8 @@ Needs root and iproute2: skipped, saying why, otherwise.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +102,20 @@ def test_a_topology_connects_its_hosts_and_leaves_nothing_behind() -> None:
     sleeper.wait(timeout=10)  # close() stopped it by PID
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(h.netns in left for h in hosts)
+
+
+def test_a_thread_entered_in_a_host_reaches_the_hosts_then_returns_to_its_own_network() -> None:
+    own = os.stat("/proc/thread-self/ns/net").st_ino
+    with netns.topology("a", "b") as net:
+        a, b = net["a"], net["b"]
+        code = "import http.server as h, sys; "
+        code += "h.HTTPServer((sys.argv[1], 8123), h.BaseHTTPRequestHandler).serve_forever()"
+        with b.serve([sys.executable, "-c", code, b.address], 8123, start_s=20):
+            with a.entered():
+                inside = os.stat("/proc/thread-self/ns/net").st_ino
+                socket.create_connection((b.address, 8123), timeout=5).close()
+            assert inside == os.stat(f"/run/netns/{a.netns}").st_ino != own
+            assert os.stat("/proc/thread-self/ns/net").st_ino == own
 
 
 def test_namespaces_left_by_a_dead_run_are_swept_and_living_ones_kept() -> None:

@@ -14,7 +14,7 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ from kvmux.proxy import (
     running,
     running_app,
 )
+from kvmux.testing import netns
 
 TOKEN_IDS = [101, 7592, 2088, 102]
 CHUNKS = 4
@@ -639,6 +640,100 @@ async def test_an_unreachable_prefill_is_taken_out_and_its_request_served_by_ano
     assert "Connect" in down["last_problem"] or "refused" in down["last_problem"]
     (note,) = [r.getMessage() for r in caplog.records if "taken out" in r.getMessage()]
     assert f"prefill upstream {dead} taken out of rotation" in note
+
+
+@contextlib.contextmanager
+def silent_listener() -> Iterator[str]:
+    """A URL whose connects get no answer, as to a host whose cable was pulled: a
+    listener with a full accept queue, whose kernel drops further SYNs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        queued = []
+        try:
+            for _ in range(3):  # more than the queue holds: the rest wait unanswered
+                client = socket.socket()
+                client.setblocking(False)
+                client.connect_ex(sock.getsockname())
+                queued.append(client)
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            for client in queued:
+                client.close()
+
+
+@in_loop
+async def test_a_prefill_whose_connect_goes_unanswered_is_taken_out_in_unreachable_after_s() -> (
+    None
+):
+    with silent_listener() as silent:
+        async with stack([FakeVllm("p1")], first_prefill=[silent], unreachable_after_s=0.5) as s:
+            started = time.monotonic()
+            status, _, seen = await s.post_seen("/v1/completions", {"prompt": "hi"})
+            took = time.monotonic() - started
+            stats = await s.stats()
+    assert (status, seen[0]) == (200, s.url_of_prefill[1])
+    assert took < 3, "the connect was given unreachable_after_s, not the request's deadline"
+    down = stats["prefill"][silent]
+    assert (down["in_rotation"], down["sent"], down["taken_out"]) == (False, 1, 1)
+    assert "timeout" in down["last_problem"].lower(), down["last_problem"]
+
+
+@in_loop
+async def test_a_prefill_host_cut_off_mid_prefill_is_taken_out_and_another_serves_it() -> None:
+    """Each server on a host of its own; p0's link is cut while its prefill is under
+    way: the kernel's keepalive gives up on it after ``unreachable_after_s``, p0 is
+    taken out and the prefill retried on p1, long before the request's deadline;
+    once the link is up, p0's ``/health`` answers and it is back in rotation."""
+    if netns.unavailable() is not None:
+        pytest.skip(str(netns.unavailable()))
+    cut, other, decode = FakeVllm("p0", delay_s=1.0), FakeVllm("p1"), FakeVllm("d0")
+    with netns.topology("proxy", "p0", "p1", "d0") as net, net["proxy"].entered():
+        async with AsyncExitStack() as running_now:
+            urls = []
+            for name, fake in (("p0", cut), ("p1", other), ("d0", decode)):
+                with net[name].entered():  # its listening socket is that host's
+                    app = running_app(fake.app(), net[name].address, 8100)
+                    urls.append(await running_now.enter_async_context(app))
+            config = ProxyConfig(
+                prefill=urls[:2],
+                decode=urls[2:],
+                host=net["proxy"].address,
+                port=0,
+                timeout_s=30,
+                unreachable_after_s=1.0,
+                probe_interval_s=0.1,
+            )
+            url = await running_now.enter_async_context(running(config))
+            client = await running_now.enter_async_context(aiohttp.ClientSession())
+            s = Stack(url, client, [cut, other], [decode], urls[:2], urls[2:])
+            await _until_healthy(client, url)  # a new switch may take a moment to pass packets
+            started = time.monotonic()
+            asked = asyncio.create_task(s.post_seen("/v1/completions", {"prompt": "a"}))
+            await wait_until(lambda: len(cut.got) == 1)
+            net["p0"].link_down()
+            status, _, seen = await asked
+            took = time.monotonic() - started
+            down = (await s.stats())["prefill"][urls[0]]
+            net["p0"].link_up()
+            start = time.monotonic()
+            while not (await s.stats())["prefill"][urls[0]]["in_rotation"]:
+                assert time.monotonic() - start < 15, "never put back"
+                await asyncio.sleep(0.1)
+    assert (status, seen[0]) == (200, urls[1])
+    assert took < 10, f"{took:.1f} s: waited for the deadline (30 s), not for the kernel"
+    assert (down["in_rotation"], down["taken_out"]) == (False, 1), down
+    assert len(other.got) == 1 and len(decode.got) == 1
+
+
+async def _until_healthy(client: aiohttp.ClientSession, url: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with client.get(url + "/health") as resp:
+            if resp.status == 200:
+                return
+        assert time.monotonic() < deadline, f"{url}/health: {await resp.text()}"
+        await asyncio.sleep(0.2)
 
 
 @in_loop

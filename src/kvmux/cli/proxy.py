@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="deadline for one client request, prefill and decode together (default 600)",
     )
     parser.add_argument(
+        "--unreachable-after-s",
+        type=float,
+        default=10.0,
+        help="how long a server's host may leave a connect or keepalive probes unanswered "
+        "before it is taken out of rotation (a cut link; default 10)",
+    )
+    parser.add_argument(
         "--probe-interval-s",
         type=float,
         default=2.0,
@@ -73,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         timeout_s=args.timeout_s,
+        unreachable_after_s=args.unreachable_after_s,
         probe_interval_s=args.probe_interval_s,
         prefix_routes=args.prefix_routes,
     )

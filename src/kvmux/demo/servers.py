@@ -72,11 +72,13 @@ def free_port(host: str = HOST) -> int:
             return port
 
 
-def listening_pids(port: int) -> set[int]:
+def listening_pids(port: int, network_of: int | None = None) -> set[int]:
     """The processes with a TCP socket listening on ``port`` (Linux ``/proc``;
-    processes this user may not inspect are left out)."""
+    processes this user may not inspect are left out), in this process's network
+    or, given ``network_of`` (a PID), in that process's (another network namespace)."""
     inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    net = "/proc/net" if network_of is None else f"/proc/{network_of}/net"
+    for table in (f"{net}/tcp", f"{net}/tcp6"):
         with contextlib.suppress(OSError), open(table) as rows:
             for row in list(rows)[1:]:
                 fields = row.split()
@@ -94,13 +96,16 @@ def listening_pids(port: int) -> set[int]:
 
 
 class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port.
+    """``python -m vllm.entrypoints.openai.api_server`` on a free port, loopback by default.
 
     ``start`` returns at once, so several servers start side by side (their
     start-up is mostly single-threaded Python imports); ``wait_ready`` then
     blocks until ``GET /health`` answers. As a context manager it starts,
     waits, and always stops. ``cpus`` pins the whole server (``taskset``) and
-    its OpenMP threads to those cores.
+    its OpenMP threads to those cores. ``host`` is the address it listens on and
+    its ``url`` names; ``prefix`` runs it through a command that execs it, e.g. in
+    another host of a :class:`kvmux.testing.netns.Topology` (``host.command([])``,
+    with that host's address as ``host``; probe it from a thread in that network).
     """
 
     def __init__(
@@ -113,14 +118,18 @@ class VllmServer:
         env: Mapping[str, str] | None = None,
         port: int | None = None,
         cpus: Sequence[int] = (),
+        host: str = HOST,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.model = str(model)
         self.args = list(args)
         self.port = port if port is not None else free_port()
-        self.url = f"http://{HOST}:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_dir) / f"{name}.log"
         self.cpus = tuple(cpus)
+        self.prefix = tuple(prefix)
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in _PER_SERVER_ENV},
             **ENGINE_ENV,
@@ -133,6 +142,7 @@ class VllmServer:
     @property
     def command(self) -> list[str]:
         return [
+            *self.prefix,
             *taskset_prefix(self.cpus),
             sys.executable,
             "-m",
@@ -140,7 +150,7 @@ class VllmServer:
             "--model",
             self.model,
             "--host",
-            HOST,
+            self.host,
             "--port",
             str(self.port),
             *self.args,
@@ -198,7 +208,7 @@ class VllmServer:
         for it, and the caller would talk to a stranger."""
         assert self._proc is not None
         group = self._proc.pid  # the server leads its own process group (start_new_session)
-        for pid in listening_pids(self.port):
+        for pid in listening_pids(self.port, network_of=group):
             with contextlib.suppress(OSError):
                 if pid == group or os.getpgid(pid) == group:
                     return True

@@ -12,7 +12,8 @@ It must never be the reason a client hangs or waits longer than it has to:
 * each call goes to the least loaded healthy upstream of its role
   (:mod:`kvmux.proxy.upstreams`), preferring one that already holds the
   prompt's prefix (:mod:`kvmux.proxy.prefix`);
-* an upstream that cannot be reached is taken out of rotation and its
+* an upstream that cannot be reached (refused, or its host silent for
+  ``unreachable_after_s``: :mod:`kvmux.proxy.liveness`) is taken out of rotation and its
   ``/health`` probed every ``probe_interval_s`` until it answers; a request
   that could not connect to it (or whose prefill it dropped) is tried on
   another one of the role, and only when none is left the client gets 502
@@ -60,6 +61,7 @@ from kvmux.proxy.handoff import (
     prefill_body,
     wants_stream,
 )
+from kvmux.proxy.liveness import never_connected, silent_host_detecting
 from kvmux.proxy.prefix import PrefixRoutes
 from kvmux.proxy.upstreams import NoHealthyUpstream, Role, Upstream, UpstreamPool
 
@@ -136,7 +138,9 @@ class Proxy:
         so does the task that probes upstreams out of rotation."""
         # No pool limit: vLLM queues requests itself, and a proxy-side cap would
         # make long streams starve short requests without the client knowing why.
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(
+            limit=0, socket_factory=silent_host_detecting(self.config.unreachable_after_s)
+        )
         async with aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as session:
@@ -413,7 +417,7 @@ class Proxy:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise _Answer(_upstream_failed(upstream, TimeoutError(), request_id))
-        return aiohttp.ClientTimeout(total=left)
+        return aiohttp.ClientTimeout(total=left, sock_connect=self.config.unreachable_after_s)
 
     @staticmethod
     def _headers(request: web.Request, request_id: str) -> dict[str, str]:
@@ -446,18 +450,16 @@ class Proxy:
         to, or it is a prefill (which only computes KV nobody else will read) whose
         connection broke."""
         broken = self._take_out_if_broken(upstream, exc)
-        retry = broken and (
-            upstream.role == "prefill" or isinstance(exc, aiohttp.ClientConnectorError)
-        )
+        retry = broken and (upstream.role == "prefill" or never_connected(exc))
         return _Answer(_upstream_failed(upstream, exc, request_id), retry=retry)
 
     def _take_out_if_broken(self, upstream: Upstream, exc: BaseException) -> bool:
         """Take ``upstream`` out of rotation if ``exc`` says its connection failed
-        (refused, reset, dropped mid-answer); whether it did. A timeout is not that:
-        a long prompt is slow, not dead (its ``/health`` decides, see :meth:`health`)."""
-        if isinstance(exc, TimeoutError) or not isinstance(
-            exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError
-        ):
+        (refused, reset, dropped mid-answer, its host silent: see
+        :mod:`kvmux.proxy.liveness`); whether it did. Waiting long for an answer is not
+        that: a long prompt is slow, not dead (its ``/health`` decides, see :meth:`health`)."""
+        slow = isinstance(exc, TimeoutError) and not never_connected(exc)
+        if slow or not isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
             return False
         self._pool(upstream.role).take_out(upstream, str(exc) or type(exc).__name__)
         return True

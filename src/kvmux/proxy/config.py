@@ -70,6 +70,14 @@ class ProxyConfig(BaseModel):
     timeout_s: float = Field(
         600.0, gt=0, description="deadline for one client request, prefill and decode together"
     )
+    unreachable_after_s: float = Field(
+        10.0,
+        gt=0,
+        description="how long an upstream's host may leave a connect, or a connection's "
+        "keepalive probes, unanswered before it counts as unreachable (taken out of rotation, "
+        "the request tried on another where it was never seen): a cut link or a host gone, "
+        "told apart from a slow answer by the kernel",
+    )
     health_timeout_s: float = Field(
         5.0, gt=0, description="how long GET /health waits for each upstream's /health"
     )

@@ -10,9 +10,13 @@ this topology created: there is no route out.
 A process runs in a host through :meth:`Host.command`, a prefix
 (``ip netns exec NS ...``) in front of any command; ``ip`` execs it, so the
 PID that ``Popen`` returns is the process itself and tests stop it by PID as
-usual. By default each command also gets a private ``/dev/shm`` (a fresh
-tmpfs in the mount namespace ``ip netns exec`` gives every command, gone with
-it): separate hosts share no shared memory, so a same-host transport
+usual. :meth:`Host.entered` puts the calling *thread* in a host's network for
+a ``with`` block instead: the test process itself then reaches the hosts'
+10.x addresses (a client of servers running there).
+
+By default each command also gets a private ``/dev/shm`` (a fresh tmpfs in
+the mount namespace ``ip netns exec`` gives every command, gone with it):
+separate hosts share no shared memory, so a same-host transport
 (``shm``) sees another host. Two commands in one host do not share one either;
 ``private_shm=False`` keeps the machine's ``/dev/shm`` for every host.
 
@@ -34,6 +38,7 @@ Needs root and ``ip``/``tc`` (iproute2); :func:`unavailable` and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -50,6 +55,7 @@ _STEP_TIMEOUT_S = 10.0
 _DEVICE = "eth0"
 """The host end of its veth pair, inside the host."""
 _BRIDGE = "br0"
+_CLONE_NEWNET = 0x40000000
 PRIVATE_SHM = 'mount -t tmpfs -o size=2g kvmux-shm /dev/shm && exec "$@"'
 """Shell prelude of a host command with its own ``/dev/shm``."""
 
@@ -140,6 +146,22 @@ class Host:
         """Run a short command in the host, bounded in time; raise if it fails."""
         return _run(self.command(argv))
 
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """The calling thread inside this host's network for the ``with`` block
+        (``setns``; other threads stay where they are). Sockets it opens there reach
+        the hosts' 10.x addresses, and keep working after the block; processes it
+        starts meanwhile start in this host's network too."""
+        with (
+            open("/proc/thread-self/ns/net") as own,
+            open(f"/run/netns/{self.netns}") as host,
+        ):
+            _setns(host.fileno(), self.name)
+            try:
+                yield
+            finally:
+                _setns(own.fileno(), "the test's own network")
+
     def link_down(self) -> None:
         """Cut the host's wire (its switch port): packets in flight are lost, and
         sockets see silence, not a reset, as when a cable is pulled."""
@@ -218,6 +240,13 @@ class Host:
     def pids(self) -> list[int]:
         """Processes running in this host now (``ip netns pids``)."""
         return _pids(self.netns)
+
+
+def _setns(fd: int, where: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise NetnsError(f"cannot enter {where}: {os.strerror(errno)}")
 
 
 def _end(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
