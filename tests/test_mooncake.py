@@ -256,7 +256,7 @@ def store_config(master: str, tag: str) -> dict[str, Any]:
 
 
 class TestMooncakeStoreConformance(ConnectorSuite):
-    """The whole suite on the store, through the registry (BufferConnector)."""
+    """The whole suite on the store, through the registry (BufferBackend)."""
 
     @pytest.fixture
     def connector_factory(self, tmp_path: Path, master: str) -> ConnectorFactory:

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.errors import NotRegisteredError
+from kvmux.errors import LayoutError, NotRegisteredError
 from kvmux.handle import Outcome
 from kvmux.keys import BlockKey
 from kvmux.lanes import Lanes
@@ -116,6 +116,20 @@ class Backend(ABC):
         leaves the backend unregistered."""
         self.register(blocks)
         self._copier = blocks
+
+    def check_layout(self, layout: KVLayout) -> None:
+        """Raise LayoutError for KV memory the capabilities refuse (memory kind,
+        block size). A composite overrides it to name the child that refuses."""
+        caps = self.capabilities
+        if layout.device not in caps.memory_kinds:
+            raise LayoutError(
+                f"{type(self).__name__} cannot use {layout.device} memory "
+                f"(supports {sorted(caps.memory_kinds)})"
+            )
+        if caps.max_block_nbytes is not None and layout.block_nbytes > caps.max_block_nbytes:
+            raise LayoutError(
+                f"block of {layout.block_nbytes} bytes exceeds {caps.max_block_nbytes}"
+            )
 
     # ----------------------------------------------------------------- the plugin
 

@@ -25,7 +25,6 @@ import torch
 
 from kvmux.backend import Address, Backend
 from kvmux.blocks import BlockCopier
-from kvmux.errors import LayoutError
 from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
@@ -41,21 +40,11 @@ class Runner:
         self.backend = backend
 
     def register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> BlockCopier:
-        """Check ``layout`` against the backend's capabilities, then register the
+        """Check ``layout`` against the backend (``check_layout``), then register the
         KV memory with it; the copier it now uses."""
-        backend = self.backend
-        caps = backend.capabilities
-        if layout.device not in caps.memory_kinds:
-            raise LayoutError(
-                f"{type(backend).__name__} cannot use {layout.device} memory "
-                f"(supports {sorted(caps.memory_kinds)})"
-            )
-        if caps.max_block_nbytes is not None and layout.block_nbytes > caps.max_block_nbytes:
-            raise LayoutError(
-                f"block of {layout.block_nbytes} bytes exceeds {caps.max_block_nbytes}"
-            )
+        self.backend.check_layout(layout)
         copier = BlockCopier(layout, caches)
-        backend.attach(copier)
+        self.backend.attach(copier)
         return copier
 
     def lookup(self, keys: list[BlockKey], source: Address | None) -> int:

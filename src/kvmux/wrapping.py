@@ -6,8 +6,8 @@ reach, health, stats and closing are the inner backend's. Writing those
 forwards once keeps every wrapper honest when the Backend interface grows
 (a forward a wrapper forgot would silently drop, say, a lease release).
 
-The inner backend runs through a :class:`~kvmux.runner.Runner` of the
-wrapper's (``self.inner_runner``): its transfers keep their own threads and
+The inner backend runs through a :class:`~kvmux.runner.Runner`
+(``self.inner_runner``): its transfers keep their own threads and
 lanes and count in its own stats, as they would behind a connector of their
 own, and the wrapper waits for them within its deadline. Arguments are not
 checked again: the front of the wrapper checked them once.
@@ -21,6 +21,7 @@ from typing import Any
 
 from kvmux.backend import Address, Backend, Health
 from kvmux.blocks import BlockCopier
+from kvmux.config import BackendConfig
 from kvmux.errors import TransferTimeout
 from kvmux.handle import Handle, Outcome, failed
 from kvmux.keys import BlockKey
@@ -35,11 +36,16 @@ class WrappingBackend(Backend):
     wrapper closes the inner backend. ``stats()`` is the inner backend's,
     beneath the wrapper's own counters: what callers of the wrapper saw."""
 
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner.config)
+    def __init__(self, inner: Backend, config: BackendConfig | None = None) -> None:
+        """``config``: the wrapper's own, if it has one (default: the inner one's)."""
+        super().__init__(config if config is not None else inner.config)
         self.inner = inner
-        self.inner_runner = Runner(inner)
         self.capabilities = inner.capabilities
+
+    @property
+    def inner_runner(self) -> Runner:
+        """Runs the inner backend's transfers (a runner holds nothing but its backend)."""
+        return Runner(self.inner)
 
     @property
     def copier(self) -> BlockCopier:

@@ -12,10 +12,16 @@ from typing import TYPE_CHECKING, Any
 from kvmux.registry.entries import GROUPS, BackendEntry, scan, scan_all
 
 if TYPE_CHECKING:
-    from kvmux.registry.factory import create_buffer, create_connector, create_pipe
+    from kvmux.registry.factory import (
+        create_backend,
+        create_buffer,
+        create_connector,
+        create_pipe,
+    )
     from kvmux.registry.loader import load_check, load_class, parse_config, resolve
 
 _LAZY = {
+    "create_backend": "kvmux.registry.factory",
     "create_buffer": "kvmux.registry.factory",
     "create_connector": "kvmux.registry.factory",
     "create_pipe": "kvmux.registry.factory",
@@ -28,6 +34,7 @@ _LAZY = {
 __all__ = [
     "GROUPS",
     "BackendEntry",
+    "create_backend",
     "create_buffer",
     "create_connector",
     "create_pipe",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmux.backend import Backend
-from kvmux.bridges import BufferConnector, PipeLookupBuffer
+from kvmux.bridges import BufferBackend, PipeLookupBuffer
 from kvmux.buffer import LookupBuffer
 from kvmux.connector import Connector
 from kvmux.errors import BackendUnavailableError
@@ -15,20 +15,26 @@ _KINDS = {"connectors": Backend, "buffers": LookupBuffer, "pipes": Pipe, "polici
 
 
 def create_connector(config: ConfigLike) -> Connector:
-    """A ready Connector from ``{"backend": NAME, ...}`` (a dict, JSON text or a model).
+    """A ready Connector from ``{"backend": NAME, ...}`` (a dict, JSON text or a model):
+    the front over :func:`create_backend`'s backend."""
+    return Connector(create_backend(config))
 
-    NAME may be a connector, a lookup buffer or a pipe; the latter two are
-    bridged to a Connector (see :mod:`kvmux.bridges`).
+
+def create_backend(config: ConfigLike) -> Backend:
+    """The backend named in ``config``, without a front (composites hold backends).
+
+    NAME may be a backend, a lookup buffer or a pipe; the latter two are
+    bridged to a backend (see :mod:`kvmux.bridges`).
     """
     entry, cls, cfg = parse_config(config)
     _check_kind(entry.name, entry.group, cls)
     if entry.group == "connectors":
         backend: Backend = cls(cfg)
-        return Connector(backend)
+        return backend
     if entry.group == "buffers":
-        return BufferConnector(cls(cfg), cfg)
+        return BufferBackend(cls(cfg), cfg)
     pipe: Pipe = cls(cfg)
-    return BufferConnector(PipeLookupBuffer(pipe, cfg), cfg)
+    return BufferBackend(PipeLookupBuffer(pipe, cfg), cfg)
 
 
 def create_buffer(config: ConfigLike) -> LookupBuffer:
@@ -46,7 +52,7 @@ def create_pipe(config: ConfigLike) -> Pipe:
 
 
 def load_policy(name: str) -> type[Policy]:
-    """The MultiConnector policy called ``name`` (entry-point group ``kvmux.policies``),
+    """The MultiBackend policy called ``name`` (entry-point group ``kvmux.policies``),
     imported on first use; UnknownBackendError with a did-you-mean otherwise."""
     entry = resolve(name, ("policies",))
     cls = load_class(entry)

@@ -1,8 +1,8 @@
 """Turning a name or a config into a live backend.
 
 Resolution order for a connector name: the ``kvmux.connectors`` group, then
-``kvmux.buffers`` (wrapped in a BufferConnector), then ``kvmux.pipes``
-(wrapped in a PipeLookupBuffer and a BufferConnector). ``group:name``
+``kvmux.buffers`` (wrapped in a BufferBackend), then ``kvmux.pipes``
+(wrapped in a PipeLookupBuffer and a BufferBackend). ``group:name``
 (``pipes:tcp``) picks a group explicitly. Only the chosen entry point is
 imported, through stevedore's DriverManager.
 """
@@ -155,7 +155,7 @@ def _known(groups: tuple[str, ...]) -> list[str]:
 
 
 def nested_config(value: Any) -> BackendConfig:
-    """Validate a backend config nested in another one (a MultiConnector's children,
+    """Validate a backend config nested in another one (a MultiBackend's children,
     a wrapper's inner backend) through the registry, like a top-level config.
 
     Meant as a pydantic ``BeforeValidator``: the nested backend's problems are

@@ -65,7 +65,7 @@ class CorruptBytes(FaultWrapper):
     This models a transport that damages data without noticing (a bad NIC, a
     torn read of memory being reused, a buggy peer). The outcome deliberately
     stays ``ok``: the point is to check that an *integrity* layer above (per-block
-    checksums, the MultiConnector's verification) catches what the transport
+    checksums, the MultiBackend's verification) catches what the transport
     did not. Keys are chosen like ``DropKeys``'s (``keys`` and/or ``rate``;
     ``rate=1.0`` hits every load); byte positions depend only on ``seed`` and the key.
     """
