@@ -25,9 +25,13 @@ import torch
 
 from kvmux.backend import Address, Backend
 from kvmux.blocks import BlockCopier
+from kvmux.errors import ClosedError, InvalidRequestError
 from kvmux.handle import Handle, Outcome, TransferResult, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
+
+ErrorHook = Callable[[Exception], None]
+"""Told of the exception a backend's transfer raised (a composite counts it)."""
 
 _closing = threading.Lock()
 """Makes marking a backend closed atomic (closing is rare: one lock for all)."""
@@ -57,14 +61,21 @@ class Runner:
         return found
 
     def save(
-        self, keys: list[BlockKey], block_ids: list[int], deadline: float | None = None
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        deadline: float | None = None,
+        on_error: ErrorHook | None = None,
     ) -> Handle:
         """Start the backend's save. A save still queued at ``deadline`` (default:
-        ``timeout_s`` from now) fails instead of starting late."""
+        ``timeout_s`` from now) fails instead of starting late. ``on_error`` is told
+        of an exception the backend raised (its keys fail with it all the same)."""
         backend = self.backend
-        return self._start(
-            "save", keys, None, lambda: backend.save(keys, block_ids), self._deadline(deadline)
-        )
+
+        def work() -> Sequence[Outcome]:
+            return backend.save(keys, block_ids)
+
+        return self._start("save", keys, block_ids, None, work, self._deadline(deadline), on_error)
 
     def load(
         self,
@@ -72,21 +83,26 @@ class Runner:
         block_ids: list[int],
         source: Address | None,
         deadline: float | None = None,
+        on_error: ErrorHook | None = None,
     ) -> Handle:
         """Start the backend's load, on ``backend.lane(source)``, against ``deadline``
         (default: ``timeout_s`` from now): taken at the call, so a load queued
-        behind a hung peer's fails when its own time is up, not later."""
+        behind a hung peer's fails when its own time is up, not later.
+        ``on_error`` as for :meth:`save`."""
         backend = self.backend
         lane = backend.lane(source)
         until = self._deadline(deadline)
-        return self._start(
-            "load", keys, lane, lambda: backend.load(keys, block_ids, source, until), until
-        )
+
+        def work() -> Sequence[Outcome]:
+            return backend.load(keys, block_ids, source, until)
+
+        return self._start("load", keys, block_ids, lane, work, until, on_error)
 
     def stats(self) -> dict[str, float]:
-        """The backend's counters (its transfers' among them) and its own readings."""
+        """The backend's own readings, overlaid with its counters (its transfers'
+        among them): for a wrapper, what callers of the wrapper saw wins."""
         backend = self.backend
-        return {**backend.counters.snapshot(), **backend.stats()}
+        return {**backend.stats(), **backend.counters.snapshot()}
 
     def close(self) -> None:
         """Close the backend, then end its lanes (queued transfers end cancelled).
@@ -111,11 +127,24 @@ class Runner:
         self,
         op: str,
         keys: list[BlockKey],
+        block_ids: list[int],
         lane: Hashable,
         work: Callable[[], Sequence[Outcome]],
         deadline: float,
+        on_error: ErrorHook | None,
     ) -> Handle:
+        """The transfer as a handle. Raises, before any work, what no per-key outcome
+        could say: the backend is closed or unregistered, or the lists do not pair
+        up (cheap checks; a composite's parts are not checked further)."""
         backend = self.backend
+        if backend.closed:
+            raise ClosedError(f"{type(backend).__name__} is closed")
+        if len(keys) != len(block_ids):
+            raise InvalidRequestError(
+                f"{len(keys)} keys but {len(block_ids)} block ids: they must pair up"
+            )
+        if on_error is not None:
+            work = _reporting(work, on_error)
         block_nbytes = backend.copier.block_nbytes
         if lane is None and backend.inline:
             handle = Handle.from_call(keys, _now, work, block_nbytes)
@@ -136,6 +165,21 @@ def _now(fn: Callable[[], TransferResult]) -> Future[TransferResult]:
     future: Future[TransferResult] = Future()
     future.set_result(fn())
     return future
+
+
+def _reporting(
+    work: Callable[[], Sequence[Outcome]], on_error: ErrorHook
+) -> Callable[[], Sequence[Outcome]]:
+    """``work``, telling ``on_error`` of what it raises before the handle fails its keys."""
+
+    def reported() -> Sequence[Outcome]:
+        try:
+            return work()
+        except Exception as exc:
+            on_error(exc)
+            raise
+
+    return reported
 
 
 def _unless_expired(

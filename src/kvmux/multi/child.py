@@ -167,15 +167,19 @@ class Child:
         """Start saving; ``keys`` and ``ids`` must be valid for the child as they are
         not checked again: a part of a request the multi checked, or staging slots,
         never keys or ids repeated."""
-        runner = self.runner
-        return self._start("save", keys, lambda: runner.save(list(keys), list(ids)))
+        runner, raised = self.runner, self._raised
+        return self._start(
+            "save", keys, lambda: runner.save(list(keys), list(ids), on_error=raised)
+        )
 
     def start_load(
         self, keys: Sequence[BlockKey], ids: Sequence[int], source: Address | None
     ) -> Attempt:
         """Start loading; the same promise about ``keys`` and ``ids`` as ``start_save``."""
-        own, runner = self._source(source), self.runner
-        return self._start("load", keys, lambda: runner.load(list(keys), list(ids), own))
+        own, runner, raised = self._source(source), self.runner, self._raised
+        return self._start(
+            "load", keys, lambda: runner.load(list(keys), list(ids), own, on_error=raised)
+        )
 
     def save(self, keys: Sequence[BlockKey], ids: Sequence[int], deadline: float) -> TransferResult:
         return self.start_save(keys, ids).finish(deadline)
@@ -237,6 +241,11 @@ class Child:
             reason = f"{type(exc).__name__}: {exc}"
             return Attempt(self, op, keys, result=self.all_failed(keys, reason))
         return Attempt(self, op, keys, handle=handle)
+
+    def _raised(self, exc: Exception) -> None:
+        """A transfer of the child raised: counted (its keys fail, as a result)."""
+        self.count("errors")
+        log.debug("%s: a transfer raised %s: %s", self.label, type(exc).__name__, exc)
 
     def _admit(self) -> bool:
         if self.breaker.allow():

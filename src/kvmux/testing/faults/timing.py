@@ -79,7 +79,8 @@ class Die(FaultWrapper):
     ``mode`` says how a dead backend behaves:
 
     * ``"raise"`` - every call raises :class:`~kvmux.errors.TransferError` at once
-      (a crashed client library; tests that callers isolate exceptions);
+      (a crashed client library; tests that callers isolate exceptions: the
+      runner in front of it turns a transfer's into per-key failures);
     * ``"fail"`` - ``lookup`` finds nothing and every transfer ends with all keys
       ``failed`` (a backend that catches its own errors);
     * ``"hang"`` - nothing answers until ``deadline_s`` (default: the config's
