@@ -12,7 +12,8 @@ stats). So a backend's methods are plain synchronous calls that return one
   block ids in range and none twice, keys and ids pair up, lease ids are well
   formed, lists are never empty where it says so;
 * ``register`` came first for ``save``/``load`` (``self.copier`` is set);
-* nothing is called after ``close``.
+* no transfer or lookup is run after ``close`` (bookkeeping calls a
+  composite passes on, ``release`` say, may still come: harmless ones).
 
 An exception a ``save`` or ``load`` raises fails every key of that call (its
 reason says why); a wrong number of outcomes does too. The bytes a transfer

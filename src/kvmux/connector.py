@@ -22,12 +22,12 @@ from kvmux.backend import Address, Backend, Health
 from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.errors import ClosedError, InvalidRequestError
+from kvmux.errors import InvalidRequestError
 from kvmux.handle import Handle
 from kvmux.keys import BlockKey, check_unique
 from kvmux.layout import KVLayout
 from kvmux.publications import check_lease_ids
-from kvmux.runner import Runner
+from kvmux.runner import Runner, check_open
 
 __all__ = ["Address", "Connector", "Health"]
 
@@ -173,8 +173,7 @@ class Connector:
         return leases
 
     def _check_open(self) -> None:
-        if self.backend.closed:
-            raise ClosedError(f"{type(self.backend).__name__} is closed")
+        check_open(self.backend)
 
     @staticmethod
     def _check_keys(keys: Sequence[BlockKey]) -> None:

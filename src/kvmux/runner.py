@@ -53,9 +53,11 @@ class Runner:
 
     def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         """The backend's count of leading stored keys, clamped to ``[0, len(keys)]``
-        and counted; ``keys`` never empty."""
-        found = max(0, min(len(keys), self.backend.lookup(keys, source)))
-        counters = self.backend.counters
+        and counted; ``keys`` never empty. ClosedError once the backend is closed."""
+        backend = self.backend
+        check_open(backend)
+        found = max(0, min(len(keys), backend.lookup(keys, source)))
+        counters = backend.counters
         counters.add("lookup_calls")
         counters.add("lookup_hits", found)
         return found
@@ -137,8 +139,7 @@ class Runner:
         could say: the backend is closed or unregistered, or the lists do not pair
         up (cheap checks; a composite's parts are not checked further)."""
         backend = self.backend
-        if backend.closed:
-            raise ClosedError(f"{type(backend).__name__} is closed")
+        check_open(backend)
         if len(keys) != len(block_ids):
             raise InvalidRequestError(
                 f"{len(keys)} keys but {len(block_ids)} block ids: they must pair up"
@@ -158,6 +159,12 @@ class Runner:
         counters = backend.counters
         handle.add_done_callback(lambda r: counters.record(op, r))
         return handle
+
+
+def check_open(backend: Backend) -> None:
+    """ClosedError if ``backend`` is closed: no call reaches it after."""
+    if backend.closed:
+        raise ClosedError(f"{type(backend).__name__} is closed")
 
 
 def _now(fn: Callable[[], TransferResult]) -> Future[TransferResult]:
