@@ -7,9 +7,19 @@ from typing import Any
 
 import pytest
 
+from kvmux.connector import Connector
+
 from support import caches, fake_dist, layout
 
-__all__ = ["caches", "engines", "fake_dist", "layout", "tiny_model_dir", "vllm_reference"]
+__all__ = [
+    "caches",
+    "engines",
+    "fake_dist",
+    "layout",
+    "opened",
+    "tiny_model_dir",
+    "vllm_reference",
+]
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +36,16 @@ def vllm_reference(tiny_model_dir: str) -> list[list[int]]:
     from vllm_e2e_support import reference_tokens
 
     return reference_tokens(tiny_model_dir)
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Connector]]:
+    """Connectors a test opens (it appends them); closed, newest first, when it ends
+    (waking any injected sleep)."""
+    conns: list[Connector] = []
+    yield conns
+    for conn in reversed(conns):
+        conn.close()
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """``pipes:tcp``: the registry bridges the tcp pipe to a whole Connector
-(``BufferConnector(PipeLookupBuffer(TcpPipe))``); it must work end to end."""
+(``BufferBackend(PipeLookupBuffer(TcpPipe))``); it must work end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvmux.bridges import BufferConnector, PipeLookupBuffer
+from kvmux.bridges import BufferBackend, PipeLookupBuffer
 from kvmux.connector import Connector
 from kvmux.pipes.tcp import TcpPipe, TcpPipeConfig
 from kvmux.registry import create_connector, create_pipe
@@ -42,8 +42,9 @@ def test_the_registry_builds_a_pipe_backed_connector(
     producer: tuple[Connector, dict[str, torch.Tensor]],
 ) -> None:
     conn, _ = producer
-    assert isinstance(conn, BufferConnector)
-    assert isinstance(conn.buffer, PipeLookupBuffer) and isinstance(conn.buffer.pipe, TcpPipe)
+    backend = conn.backend
+    assert isinstance(backend, BufferBackend)
+    assert isinstance(backend.buffer, PipeLookupBuffer) and isinstance(backend.buffer.pipe, TcpPipe)
     assert conn.capabilities.p2p and conn.capabilities.consumes_on_load
     assert set(conn.address() or {}) == {"host", "port"}
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Backend
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
 from kvmux.connector import Connector
 from kvmux.handle import Status
-from kvmux.integrity import TRAILER_BYTES, ChecksumConnector
+from kvmux.integrity import TRAILER_BYTES, ChecksumBackend
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.registry import create_connector
-from kvmux.testing.faults import ConnectorWrapper, CorruptBytes
+from kvmux.testing.faults import CorruptBytes, FaultWrapper
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
 
 N = 4
@@ -68,8 +69,8 @@ def statuses(conn: Connector) -> list[Status]:
 def test_a_block_damaged_in_transit_ends_failed_with_the_reason(
     algorithm: str, memory: KVMemory
 ) -> None:
-    pool = CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20))
-    conn = ChecksumConnector.wrap(CorruptBytes(pool, keys=[KEYS[1]]), algorithm)
+    pool = CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20))
+    conn = Connector(ChecksumBackend.wrap(CorruptBytes(pool, keys=[KEYS[1]]), algorithm))
     conn.register(memory.layout, memory.caches)
     assert conn.save(KEYS, SRC).result(timeout=5).ok
     result = conn.load(KEYS, DST).result(timeout=5)
@@ -83,8 +84,8 @@ def test_a_block_damaged_in_transit_ends_failed_with_the_reason(
 
 
 def test_a_refused_block_is_dropped_so_lookup_stops_counting_it(memory: KVMemory) -> None:
-    pool = CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20))
-    conn = ChecksumConnector.wrap(CorruptBytes(pool, keys=[KEYS[2]]))
+    pool = Connector(CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20)))
+    conn = Connector(ChecksumBackend.wrap(CorruptBytes(pool.backend, keys=[KEYS[2]])))
     conn.register(memory.layout, memory.caches)
     assert conn.save(KEYS, SRC).result(timeout=5).ok
     assert conn.lookup(KEYS) == N
@@ -154,17 +155,17 @@ def test_blocks_with_and_without_checksums_never_mix(tmp_path: Path, open_: Open
     assert crc.lookup(KEYS) == N
 
 
-class Bounded(ConnectorWrapper):
+class Bounded(FaultWrapper):
     """A backend that holds blocks of at most 1 KiB."""
 
-    def __init__(self, inner: Connector) -> None:
+    def __init__(self, inner: Backend) -> None:
         super().__init__(inner)
         self.capabilities = replace(inner.capabilities, max_block_nbytes=1024)
 
 
 def test_the_wrapper_declares_what_the_inner_backend_declares_less_the_trailer() -> None:
-    inner = Bounded(CpuPoolConnector(CpuPoolConfig()))
-    wrapped = ChecksumConnector.wrap(inner)
+    inner = Bounded(CpuPoolBackend(CpuPoolConfig()))
+    wrapped = Connector(ChecksumBackend.wrap(inner))
     assert wrapped.capabilities == replace(inner.capabilities, max_block_nbytes=1024 - 16)
     assert wrapped.config.algorithm == "crc32"
     wrapped.close()

@@ -4,7 +4,7 @@
 directory (never into this environment) and put on ``PYTHONPATH`` of
 subprocesses. There its three entry points must be listed as available by
 ``kvmux list``, and the no-code conformance suite must pass on each name:
-``dictstore`` (a Connector), ``sqlite`` (a LookupBuffer, bridged) and
+``dictstore`` (a Backend), ``sqlite`` (a LookupBuffer, bridged) and
 ``uds`` (a Pipe, bridged twice). The package's own subclassing-style tests
 run against the installed copy too. All runs go in parallel to stay quick.
 """

@@ -14,12 +14,12 @@ from kvmux.handle import Status
 from kvmux.keys import BlockKey, chain_keys
 from kvmux.registry import create_connector
 from kvmux.testing.faults import (
-    ConnectorWrapper,
     CorruptBytes,
     Delay,
     Die,
     DropKeys,
     FailMidBatch,
+    FaultWrapper,
     KeyChoice,
 )
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
@@ -52,7 +52,7 @@ def _saved(pool: Connector, n: int) -> list[BlockKey]:
 
 def test_a_plain_wrapper_passes_everything_through(pool: Connector, memory: KVMemory) -> None:
     keys = _saved(pool, 4)
-    wrapper = ConnectorWrapper(pool)
+    wrapper = Connector(FaultWrapper(pool.backend))
     assert wrapper.capabilities == pool.capabilities
     assert wrapper.lookup(keys) == 4
     assert wrapper.load(keys, [10, 11, 12, 13]).result(timeout=5).ok
@@ -78,7 +78,7 @@ def test_dropped_keys_load_as_missing_and_never_reach_the_backend(
     pool: Connector, memory: KVMemory
 ) -> None:
     keys = _saved(pool, 6)
-    lossy = DropKeys(pool, keys=[keys[1], keys[4]])
+    lossy = Connector(DropKeys(pool.backend, keys=[keys[1], keys[4]]))
     before = memory.blocks([11, 14])
     result = lossy.load(keys, range(10, 16)).result(timeout=5)
     assert result.by_status(Status.MISSING) == [keys[1], keys[4]]
@@ -91,13 +91,13 @@ def test_dropped_keys_load_as_missing_and_never_reach_the_backend(
 
 def test_drop_on_lookup_hides_keys_from_lookups_too(pool: Connector) -> None:
     keys = _saved(pool, 6)
-    assert DropKeys(pool, keys=[keys[2]], on_lookup=True).lookup(keys) == 2
-    assert DropKeys(pool, keys=[keys[0]], on_lookup=True).lookup(keys) == 0
+    assert Connector(DropKeys(pool.backend, keys=[keys[2]], on_lookup=True)).lookup(keys) == 2
+    assert Connector(DropKeys(pool.backend, keys=[keys[0]], on_lookup=True)).lookup(keys) == 0
 
 
 def test_delayed_transfer_completes_late_without_blocking_the_caller(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    slow = Delay(pool, 0.3)
+    slow = Connector(Delay(pool.backend, 0.3))
     start = time.monotonic()
     handle = slow.load(keys, [20, 21])
     assert time.monotonic() - start < 0.1, "load() must return before the delay is over"
@@ -109,16 +109,16 @@ def test_delayed_transfer_completes_late_without_blocking_the_caller(pool: Conne
 def test_jitter_is_fixed_by_seed_and_batch() -> None:
     pool = create_connector({"backend": "cpu", "capacity_bytes": 2**20})
     keys = _keys(2)
-    a = Delay(pool, 0.1, jitter_s=0.2, seed=1)
-    assert a.pause(keys) == Delay(pool, 0.1, jitter_s=0.2, seed=1).pause(keys)
+    a = Delay(pool.backend, 0.1, jitter_s=0.2, seed=1)
+    assert a.pause(keys) == Delay(pool.backend, 0.1, jitter_s=0.2, seed=1).pause(keys)
     assert 0.1 <= a.pause(keys) <= 0.3
-    assert a.pause(keys) != Delay(pool, 0.1, jitter_s=0.2, seed=2).pause(keys)
+    assert a.pause(keys) != Delay(pool.backend, 0.1, jitter_s=0.2, seed=2).pause(keys)
     pool.close()
 
 
 def test_closing_during_a_delay_ends_the_transfer_promptly(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    slow = Delay(pool, 30.0)
+    slow = Connector(Delay(pool.backend, 30.0))
     handle = slow.load(keys, [20, 21])
     start = time.monotonic()
     slow.close()
@@ -129,32 +129,34 @@ def test_closing_during_a_delay_ends_the_transfer_promptly(pool: Connector) -> N
 
 def test_corruption_flips_bytes_but_reports_ok(pool: Connector, memory: KVMemory) -> None:
     keys = _saved(pool, 3)
-    bad = CorruptBytes(pool, keys=[keys[1]], nbytes=3, seed=9)
+    bad = Connector(CorruptBytes(pool.backend, keys=[keys[1]], nbytes=3, seed=9))
     result = bad.load(keys, [10, 11, 12]).result(timeout=5)
     assert result.ok, "a corrupting transport does not notice what it did"
     assert memory.blocks([10, 12]).equal(memory.blocks([0, 2]))
     diff = (memory.blocks([11]) != memory.blocks([1])).nonzero()[:, 1].tolist()
-    assert diff == bad.positions(keys[1])
+    assert diff == bad.backend.positions(keys[1])
     assert len(diff) == 3
-    assert bad.positions(keys[1]) == CorruptBytes(pool, nbytes=3, seed=9).positions(keys[1])
+    assert bad.backend.positions(keys[1]) == CorruptBytes(pool.backend, nbytes=3, seed=9).positions(
+        keys[1]
+    )
 
 
 def test_corruption_is_caught_by_an_integrity_check(pool: Connector, memory: KVMemory) -> None:
     """What the wrapper is for: a checksum kept at save time exposes the damage."""
     keys = _saved(pool, 4)
     checksums = [hashlib.sha256(memory.blocks([i]).numpy().tobytes()).digest() for i in range(4)]
-    bad = CorruptBytes(pool, rate=0.5, seed=3)
+    bad = Connector(CorruptBytes(pool.backend, rate=0.5, seed=3))
     bad.load(keys, range(10, 14)).result(timeout=5)
     caught = [
         hashlib.sha256(memory.blocks([10 + i]).numpy().tobytes()).digest() != checksums[i]
         for i in range(4)
     ]
-    assert caught == [k in bad.choice for k in keys]
+    assert caught == [k in bad.backend.choice for k in keys]
 
 
 def test_a_batch_fails_after_its_first_n_keys(pool: Connector, memory: KVMemory) -> None:
     keys = _saved(pool, 5)
-    flaky = FailMidBatch(pool, after=2)
+    flaky = Connector(FailMidBatch(pool.backend, after=2))
     result = flaky.load(keys, range(10, 15)).result(timeout=5)
     assert [o.status for o in result.outcomes] == [Status.OK] * 2 + [Status.FAILED] * 3
     assert "after 2 of 5" in (result.outcomes[-1].reason or "")
@@ -167,29 +169,32 @@ def test_a_batch_fails_after_its_first_n_keys(pool: Connector, memory: KVMemory)
 
 def test_mid_batch_failure_can_spare_saves(pool: Connector) -> None:
     keys = _keys(3)
-    assert FailMidBatch(pool, after=0, ops=("load",)).save(keys, [0, 1, 2]).result(5).ok
+    spared = Connector(FailMidBatch(pool.backend, after=0, ops=("load",)))
+    assert spared.save(keys, [0, 1, 2]).result(5).ok
     with pytest.raises(ValueError):
-        FailMidBatch(pool, after=1, ops=("lookup",))
+        FailMidBatch(pool.backend, after=1, ops=("lookup",))
 
 
 def test_a_backend_that_dies_by_raising(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    dying = Die(pool, mode="raise", after_calls=2)
+    dying = Connector(Die(pool.backend, mode="raise", after_calls=2))
     assert dying.lookup(keys) == 2
     assert dying.health().healthy
     assert dying.load(keys, [10, 11]).result(timeout=5).ok
     assert not dying.health().healthy, "its last good call is spent: the next one fails"
     with pytest.raises(TransferError):
         dying.lookup(keys)
-    with pytest.raises(TransferError):
-        dying.save(keys, [0, 1])
-    dying.revive()
+    # A transfer's exception never escapes the front: it fails every key, saying why.
+    raised = dying.save(keys, [0, 1]).result(timeout=5)
+    assert [o.status for o in raised.outcomes] == [Status.FAILED] * 2
+    assert all("TransferError" in (o.reason or "") for o in raised.outcomes)
+    dying.backend.revive()
     assert dying.lookup(keys) == 2
 
 
 def test_a_backend_that_dies_by_failing(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    dead = Die(pool, mode="fail")
+    dead = Connector(Die(pool.backend, mode="fail"))
     assert dead.lookup(keys) == 0
     result = dead.load(keys, [10, 11]).result(timeout=5)
     assert [o.status for o in result.outcomes] == [Status.FAILED] * 2
@@ -198,7 +203,7 @@ def test_a_backend_that_dies_by_failing(pool: Connector) -> None:
 
 def test_a_hung_backend_fails_at_its_deadline_never_later(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    hung = Die(pool, mode="hang", deadline_s=0.3)
+    hung = Connector(Die(pool.backend, mode="hang", deadline_s=0.3))
     start = time.monotonic()
     handle = hung.load(keys, [10, 11])
     assert not handle.poll()
@@ -211,14 +216,14 @@ def test_a_hung_backend_fails_at_its_deadline_never_later(pool: Connector) -> No
 
 
 def test_a_hung_backend_defaults_to_the_config_timeout(pool: Connector) -> None:
-    assert Die(pool, mode="hang").deadline_s == pool.config.timeout_s
+    assert Die(pool.backend, mode="hang").deadline_s == pool.config.timeout_s
     with pytest.raises(ValueError):
-        Die(pool, mode="explode")  # type: ignore[arg-type]
+        Die(pool.backend, mode="explode")  # type: ignore[arg-type]
 
 
 def test_closing_a_hung_backend_returns_promptly(pool: Connector) -> None:
     keys = _saved(pool, 2)
-    hung = Die(pool, mode="hang", deadline_s=30)
+    hung = Connector(Die(pool.backend, mode="hang", deadline_s=30))
     handle = hung.load(keys, [10, 11])
     start = time.monotonic()
     hung.close()
@@ -228,7 +233,7 @@ def test_closing_a_hung_backend_returns_promptly(pool: Connector) -> None:
 
 def test_wrappers_stack(pool: Connector, memory: KVMemory) -> None:
     keys = _saved(pool, 4)
-    stacked = Delay(DropKeys(pool, keys=[keys[3]]), 0.05)
+    stacked = Connector(Delay(DropKeys(pool.backend, keys=[keys[3]]), 0.05))
     result = stacked.load(keys, range(10, 14)).result(timeout=5)
     assert [o.status for o in result.outcomes] == [Status.OK] * 3 + [Status.MISSING]
     assert memory.blocks([10, 11, 12]).equal(memory.blocks([0, 1, 2]))
@@ -236,7 +241,7 @@ def test_wrappers_stack(pool: Connector, memory: KVMemory) -> None:
 
 def test_a_wrapper_can_register_for_the_backend(memory: KVMemory) -> None:
     inner = create_connector({"backend": "cpu", "capacity_bytes": 2**20})
-    wrapper = DropKeys(inner)
+    wrapper = Connector(DropKeys(inner.backend))
     wrapper.register(memory.layout, memory.caches)
     assert inner.layout == memory.layout
     keys = _keys(2)
@@ -247,4 +252,4 @@ def test_a_wrapper_can_register_for_the_backend(memory: KVMemory) -> None:
 
 def test_wrappers_check_arguments_like_any_connector(pool: Connector) -> None:
     with pytest.raises(InvalidRequestError, match="2 keys but 1 block ids"):
-        DropKeys(pool).load(_keys(2), [0])
+        Connector(DropKeys(pool.backend)).load(_keys(2), [0])

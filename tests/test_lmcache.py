@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("lmcache")
 
-from kvmux.backends.lmcache import LmcacheConnector
+from kvmux.backends.lmcache import LmcacheBackend
 from kvmux.errors import TransferError
 from kvmux.keys import chain_keys
 from kvmux.layout import KVLayout
@@ -142,9 +142,10 @@ def test_stored_chunks_are_lmcache_kv_2ltd_whatever_the_engine_layout(make: Any)
         connector.register(layout, caches)
         keys = chain_keys(list(range(2 * BS)), BS, "conv")
         assert connector.save(keys, [4, 1]).result(30).ok
-        assert isinstance(connector, LmcacheConnector)
-        storage = connector._engine.storage_manager
-        lmc_keys = connector._lmc_keys(keys)
+        backend = connector.backend
+        assert isinstance(backend, LmcacheBackend)
+        storage = backend._engine.storage_manager
+        lmc_keys = backend._lmc_keys(keys)
         for key, block in zip(lmc_keys, [4, 1], strict=True):
             (obj,) = storage.batched_get([key])
             try:

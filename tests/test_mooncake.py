@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("mooncake")
 
-from kvmux.backends.mooncake import MooncakeConnector
+from kvmux.backends.mooncake import MooncakeBackend
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
 from kvmux.connector import Connector
 from kvmux.errors import ClosedError, TransferError
@@ -63,7 +63,7 @@ class TestMooncakeAcrossProcesses(CrossProcessTests):
     seed = SEED
 
     def transfer_call(self, connector: Connector) -> tuple[object, str]:
-        assert isinstance(connector, MooncakeConnector)
+        assert isinstance(connector, MooncakeBackend)
         return connector._engine, "read"
 
     def test_a_read_larger_than_the_te_queue_is_split(
@@ -75,7 +75,7 @@ class TestMooncakeAcrossProcesses(CrossProcessTests):
     ) -> None:
         """More ranges than TE queues per peer would fail and break the engine: split them."""
         conn = consumer.connector
-        assert isinstance(conn, MooncakeConnector)
+        assert isinstance(conn, MooncakeBackend)
         calls: list[int] = []
         real = conn._engine._engine.batch_transfer_sync_read
 
@@ -179,7 +179,7 @@ def store_config(master: str, tag: str) -> dict[str, Any]:
 
 
 class TestMooncakeStoreConformance(ConnectorSuite):
-    """The whole suite on the store, through the registry (BufferConnector)."""
+    """The whole suite on the store, through the registry (BufferBackend)."""
 
     @pytest.fixture
     def connector_factory(self, tmp_path: Path, master: str) -> ConnectorFactory:

@@ -7,10 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Backend
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
+from kvmux.connector import Connector
 from kvmux.keys import chain_keys
+from kvmux.multi.backend import MultiBackend
 from kvmux.multi.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from kvmux.multi.connector import MultiConnector
 from kvmux.testing.faults import Die
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
 
@@ -18,8 +20,8 @@ COOLDOWN_S = 0.2
 CLOSED, OPEN = float(BreakerState.CLOSED), float(BreakerState.OPEN)
 
 
-def pool() -> CpuPoolConnector:
-    return CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
+def pool() -> Backend:
+    return CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
 
 
 @pytest.fixture
@@ -28,9 +30,9 @@ def sick() -> Die:
 
 
 @pytest.fixture
-def multi(sick: Die) -> Iterator[MultiConnector]:
+def multi(sick: Die) -> Iterator[Connector]:
     breaker = {"failures": 2, "cooldown_s": COOLDOWN_S}
-    multi = MultiConnector.of("fallback", [sick, pool()], breaker=breaker)
+    multi = Connector(MultiBackend.of("fallback", [sick, pool()], breaker=breaker))
     memory = KVMemory(DEFAULT_LAYOUT, 16, "cpu", seed=2)
     multi.register(memory.layout, memory.caches)
     yield multi
@@ -40,28 +42,28 @@ def multi(sick: Die) -> Iterator[MultiConnector]:
 KEYS = chain_keys(list(range(16)), 4, "breaker")
 
 
-def load_ok(multi: MultiConnector) -> None:
+def load_ok(multi: Connector) -> None:
     assert multi.load(KEYS, [8, 9, 10, 11]).result(timeout=5).ok
 
 
 def test_the_breaker_opens_after_n_failures_and_then_skips_the_child(
-    multi: MultiConnector, sick: Die
+    multi: Connector, sick: Die
 ) -> None:
     assert multi.save(KEYS, [0, 1, 2, 3]).result(timeout=5).ok  # failure 1 (the other child)
     assert multi.stats()["child.0.breaker_state"] == CLOSED
     load_ok(multi)  # failure 2: open
     stats = multi.stats()
     assert (stats["child.0.breaker_state"], stats["child.0.breaker_opens"]) == (OPEN, 1)
-    calls = sick.stats()["injected_deaths"]
+    calls = Connector(sick).stats()["injected_deaths"]
     load_ok(multi)
     assert multi.lookup(KEYS) == 4
-    assert sick.stats()["injected_deaths"] == calls, "an open breaker must not call the child"
+    assert Connector(sick).stats()["injected_deaths"] == calls, (
+        "an open breaker must not call the child"
+    )
     assert multi.stats()["child.0.skipped"] >= 2
 
 
-def test_a_healthy_probe_after_the_cooldown_readmits_the_child(
-    multi: MultiConnector, sick: Die
-) -> None:
+def test_a_healthy_probe_after_the_cooldown_readmits_the_child(multi: Connector, sick: Die) -> None:
     multi.save(KEYS, [0, 1, 2, 3]).result(timeout=5)
     load_ok(multi)
     time.sleep(COOLDOWN_S * 1.5)

@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Backend
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
 from kvmux.connector import Connector
 from kvmux.errors import CapacityError, ConfigError, LayoutError, UnknownBackendError
+from kvmux.multi.backend import MultiBackend
 from kvmux.multi.config import load_policy
-from kvmux.multi.connector import MultiConnector
 from kvmux.registry import create_connector, parse_config, scan
 from kvmux.registry.loader import config_model_for
-from kvmux.testing.faults import ConnectorWrapper
+from kvmux.testing.faults import FaultWrapper
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
 
 CPU = {"backend": "cpu"}
@@ -94,21 +95,21 @@ def test_a_child_that_cannot_be_built_is_named(tmp_path: Path) -> None:
     assert "children.1.path: not a writable directory" in str(info.value)
 
 
-class Declares(ConnectorWrapper):
+class Declares(FaultWrapper):
     """A child that declares other capabilities than its inner backend's."""
 
-    def __init__(self, inner: Connector, **capabilities: Any) -> None:
+    def __init__(self, inner: Backend, **capabilities: Any) -> None:
         super().__init__(inner)
         self.capabilities = replace(inner.capabilities, **capabilities)
 
 
-def pool() -> Connector:
-    return CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20))
+def pool() -> Backend:
+    return CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20))
 
 
 def test_a_built_child_that_gives_blocks_away_is_refused_by_tiered() -> None:
     with pytest.raises(ConfigError) as info:
-        MultiConnector.of("tiered", [pool(), Declares(pool(), consumes_on_load=True)])
+        Connector(MultiBackend.of("tiered", [pool(), Declares(pool(), consumes_on_load=True)]))
     assert "children.1: 'cpu' gives a block away" in str(info.value)
 
 
@@ -123,7 +124,7 @@ def test_a_built_child_that_gives_blocks_away_is_refused_by_tiered() -> None:
 def test_register_refuses_memory_a_child_cannot_hold(
     capabilities: dict[str, Any], expected: str
 ) -> None:
-    composed = MultiConnector.of("fallback", [pool(), Declares(pool(), **capabilities)])
+    composed = Connector(MultiBackend.of("fallback", [pool(), Declares(pool(), **capabilities)]))
     memory = KVMemory(DEFAULT_LAYOUT, 8, "cpu", seed=1)
     with pytest.raises(LayoutError, match=re.escape(expected)):
         composed.register(memory.layout, memory.caches)
@@ -132,7 +133,7 @@ def test_register_refuses_memory_a_child_cannot_hold(
 
 def test_capacity_a_tier_cannot_use_is_refused_at_register() -> None:
     tiny = {"capacity_bytes": DEFAULT_LAYOUT.block_nbytes - 1}
-    composed = MultiConnector.of("tiered", [pool(), pool()], tiers=[tiny])
+    composed = Connector(MultiBackend.of("tiered", [pool(), pool()], tiers=[tiny]))
     memory = KVMemory(DEFAULT_LAYOUT, 8, "cpu", seed=1)
     with pytest.raises(CapacityError, match="tier 0: capacity_bytes="):
         composed.register(memory.layout, memory.caches)

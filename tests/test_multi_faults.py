@@ -1,7 +1,7 @@
 """Fault matrix: whatever the first child does wrong, the blocks come from the next one.
 
 The fault wrappers of :mod:`kvmux.testing.faults` sit around a real ``cpu``
-pool; the MultiConnector under test is the real one. In every case the load
+pool; the MultiBackend under test is the real one. In every case the load
 ends with every key ok and byte-identical, fast (no child is waited on
 past its own ``timeout_s``), and nothing raises.
 """
@@ -9,30 +9,20 @@ past its own ``timeout_s``), and nothing raises.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Backend
 from kvmux.connector import Connector
 from kvmux.handle import Status
-from kvmux.integrity import ChecksumConnector
-from kvmux.keys import BlockKey, chain_keys
-from kvmux.multi.connector import MultiConnector
+from kvmux.integrity import ChecksumBackend
+from kvmux.multi.backend import MultiBackend
 from kvmux.testing.faults import CorruptBytes, Delay, Die, DropKeys, FailMidBatch
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
+from multi_support import DST, SRC, N, keys, pool
 
 CHILD_TIMEOUT_S = 0.3
-N = 8
-SRC, DST = list(range(N)), list(range(16, 16 + N))
-
-
-def pool(timeout_s: float = 2.0) -> Connector:
-    return CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20, timeout_s=timeout_s))
-
-
-def keys(n: int = N, tag: str = "faults") -> list[BlockKey]:
-    return chain_keys(list(range(n * 4)), 4, tag)
 
 
 @pytest.fixture
@@ -40,16 +30,7 @@ def memory() -> KVMemory:
     return KVMemory(DEFAULT_LAYOUT, 32, "cpu", seed=11)
 
 
-@pytest.fixture
-def opened() -> Iterator[list[Connector]]:
-    """Connectors a test opens; closed (waking any injected sleep) when it ends."""
-    conns: list[Connector] = []
-    yield conns
-    for conn in reversed(conns):
-        conn.close()
-
-
-Fault = Callable[[Connector], Connector]
+Fault = Callable[[Backend], Backend]
 
 FAULTS: dict[str, tuple[Fault, str]] = {
     "dies-raising": (lambda c: Die(c, mode="raise"), "errors"),
@@ -59,7 +40,7 @@ FAULTS: dict[str, tuple[Fault, str]] = {
     "drops-blocks": (lambda c: DropKeys(c, rate=0.5, seed=3), "misses"),
     "fills-up-mid-load": (lambda c: FailMidBatch(c, after=3, ops=("load",)), "failures"),
     "corrupts-behind-checksum": (
-        lambda c: ChecksumConnector.wrap(CorruptBytes(c, rate=1.0, nbytes=4)),
+        lambda c: ChecksumBackend.wrap(CorruptBytes(c, rate=1.0, nbytes=4)),
         "failures",
     ),
 }
@@ -71,7 +52,9 @@ def test_blocks_come_from_the_next_child_whatever_the_first_does(
     fault: str, memory: KVMemory, opened: list[Connector]
 ) -> None:
     wrap, counter = FAULTS[fault]
-    multi = MultiConnector.of("fallback", [wrap(pool(CHILD_TIMEOUT_S)), pool()], timeout_s=5.0)
+    multi = Connector(
+        MultiBackend.of("fallback", [wrap(pool(CHILD_TIMEOUT_S)), pool()], timeout_s=5.0)
+    )
     opened.append(multi)
     multi.register(memory.layout, memory.caches)
     ks = keys()
@@ -91,7 +74,7 @@ def test_a_corrupt_block_without_checksum_is_wrong_data(
     memory: KVMemory, opened: list[Connector]
 ) -> None:
     """The counterpart of the checksum case above: why the checksum is there."""
-    multi = MultiConnector.of("fallback", [CorruptBytes(pool(), rate=1.0), pool()])
+    multi = Connector(MultiBackend.of("fallback", [CorruptBytes(pool(), rate=1.0), pool()]))
     opened.append(multi)
     multi.register(memory.layout, memory.caches)
     ks = keys()
@@ -108,7 +91,7 @@ def test_every_child_failing_ends_every_key_failed_without_raising_or_hanging(
         Die(pool(), mode="fail"),
         Die(pool(CHILD_TIMEOUT_S), mode="hang", deadline_s=5.0),
     ]
-    multi = MultiConnector.of("fallback", children, timeout_s=5.0, breaker={"failures": 2})
+    multi = Connector(MultiBackend.of("fallback", children, timeout_s=5.0, breaker={"failures": 2}))
     opened.append(multi)
     multi.register(memory.layout, memory.caches)
     ks = keys()
@@ -130,7 +113,7 @@ def test_a_raising_child_never_takes_lookups_down(
     memory: KVMemory, opened: list[Connector]
 ) -> None:
     first, second = Die(pool(), mode="raise", after_calls=1), pool()
-    multi = MultiConnector.of("fallback", [first, second])
+    multi = Connector(MultiBackend.of("fallback", [first, second]))
     opened.append(multi)
     multi.register(memory.layout, memory.caches)
     ks = keys()
@@ -142,7 +125,9 @@ def test_a_raising_child_never_takes_lookups_down(
 def test_first_hit_does_not_fall_back_like_vllm(memory: KVMemory, opened: list[Connector]) -> None:
     """vLLM's MultiConnector loads from the first child with a hit; what fails there
     is recomputed, not fetched elsewhere."""
-    multi = MultiConnector.of("first-hit", [FailMidBatch(pool(), after=3, ops=("load",)), pool()])
+    multi = Connector(
+        MultiBackend.of("first-hit", [FailMidBatch(pool(), after=3, ops=("load",)), pool()])
+    )
     opened.append(multi)
     multi.register(memory.layout, memory.caches)
     ks = keys()

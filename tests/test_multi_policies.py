@@ -12,19 +12,20 @@ from typing import Any
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
-from kvmux.connector import Address, Connector
+from kvmux.backend import Address, Backend
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
+from kvmux.connector import Connector
 from kvmux.handle import Status
 from kvmux.keys import BlockKey, chain_keys
-from kvmux.multi.connector import MultiConnector
-from kvmux.testing.faults import ConnectorWrapper, FailMidBatch
+from kvmux.multi.backend import MultiBackend
+from kvmux.testing.faults import FailMidBatch, FaultWrapper
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
 
 NUM_BLOCKS = 64
 
 
-def pool() -> Connector:
-    return CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
+def pool() -> Backend:
+    return CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
 
 
 def keys(n: int) -> list[BlockKey]:
@@ -37,20 +38,20 @@ def memory() -> KVMemory:
 
 
 @pytest.fixture
-def children() -> list[Connector]:
+def children() -> list[Backend]:
     return [pool(), pool()]
 
 
-Make = Callable[..., MultiConnector]
+Make = Callable[..., Connector]
 
 
 @pytest.fixture
 def make(memory: KVMemory) -> Iterator[Make]:
     """``make(policy, children, **options)``: a registered multi, closed after the test."""
-    made: list[MultiConnector] = []
+    made: list[Connector] = []
 
-    def build(policy: str, children: list[Connector], **options: Any) -> MultiConnector:
-        multi = MultiConnector.of(policy, children, **options)
+    def build(policy: str, children: list[Backend], **options: Any) -> Connector:
+        multi = Connector(MultiBackend.of(policy, children, **options))
         multi.register(memory.layout, memory.caches)
         made.append(multi)
         return multi
@@ -61,21 +62,21 @@ def make(memory: KVMemory) -> Iterator[Make]:
 
 
 @pytest.fixture
-def fallback(make: Make, children: list[Connector]) -> MultiConnector:
+def fallback(make: Make, children: list[Backend]) -> Connector:
     return make("fallback", children)
 
 
 @pytest.fixture
-def first_hit(make: Make, children: list[Connector]) -> MultiConnector:
+def first_hit(make: Make, children: list[Backend]) -> Connector:
     return make("first-hit", children)
 
 
-def put(child: Connector, ks: list[BlockKey], blocks: list[int]) -> None:
-    assert child.save(ks, blocks).result(timeout=5).ok
+def put(child: Backend, ks: list[BlockKey], blocks: list[int]) -> None:
+    assert Connector(child).save(ks, blocks).result(timeout=5).ok
 
 
 def test_a_prefix_spanning_two_children_is_one_hit_and_loads_whole(
-    fallback: MultiConnector, children: list[Connector], memory: KVMemory
+    fallback: Connector, children: list[Backend], memory: KVMemory
 ) -> None:
     ks = keys(20)
     put(children[0], ks[:10], list(range(10)))
@@ -89,7 +90,7 @@ def test_a_prefix_spanning_two_children_is_one_hit_and_loads_whole(
 
 
 def test_a_composed_prefix_stops_at_the_first_block_no_child_has(
-    fallback: MultiConnector, children: list[Connector]
+    fallback: Connector, children: list[Backend]
 ) -> None:
     ks = keys(12)
     put(children[0], ks[0:8:2] + ks[9:], [0, 2, 4, 6, 9, 10, 11])  # even keys, then past a gap
@@ -99,7 +100,7 @@ def test_a_composed_prefix_stops_at_the_first_block_no_child_has(
 
 
 def test_blocks_no_child_has_are_missing_and_untouched(
-    fallback: MultiConnector, children: list[Connector], memory: KVMemory
+    fallback: Connector, children: list[Backend], memory: KVMemory
 ) -> None:
     ks = keys(4)
     put(children[1], ks[:2], [0, 1])
@@ -110,7 +111,7 @@ def test_blocks_no_child_has_are_missing_and_untouched(
 
 
 def test_first_hit_counts_and_loads_only_the_first_child_with_a_hit(
-    first_hit: MultiConnector, children: list[Connector], memory: KVMemory
+    first_hit: Connector, children: list[Backend], memory: KVMemory
 ) -> None:
     ks = keys(8)
     put(children[0], ks[:4], list(range(4)))
@@ -122,7 +123,7 @@ def test_first_hit_counts_and_loads_only_the_first_child_with_a_hit(
 
 
 def test_first_hit_skips_children_without_a_hit(
-    first_hit: MultiConnector, children: list[Connector], memory: KVMemory
+    first_hit: Connector, children: list[Backend], memory: KVMemory
 ) -> None:
     ks = keys(6)
     put(children[1], ks, list(range(6)))
@@ -132,11 +133,11 @@ def test_first_hit_skips_children_without_a_hit(
 
 
 @pytest.mark.parametrize("policy", ["first-hit", "fallback"])
-def test_saves_reach_every_child(policy: str, make: Make, children: list[Connector]) -> None:
+def test_saves_reach_every_child(policy: str, make: Make, children: list[Backend]) -> None:
     multi = make(policy, children)
     ks = keys(5)
     assert multi.save(ks, range(5)).result(timeout=5).ok
-    assert [child.lookup(ks) for child in children] == [5, 5]
+    assert [Connector(child).lookup(ks) for child in children] == [5, 5]
 
 
 def test_fallback_can_save_to_the_first_child_only_and_spill_its_failures(make: Make) -> None:
@@ -144,16 +145,16 @@ def test_fallback_can_save_to_the_first_child_only_and_spill_its_failures(make: 
     multi = make("fallback", [first, second], save_to="first")
     ks = keys(5)
     assert multi.save(ks, range(5)).result(timeout=5).ok
-    assert first.inner.lookup(ks) == 2
-    assert second.lookup(ks) == 0
-    assert second.lookup(ks[2:]) == 3
+    assert Connector(first.inner).lookup(ks) == 2
+    assert Connector(second).lookup(ks) == 0
+    assert Connector(second).lookup(ks[2:]) == 3
     assert multi.lookup(ks) == 5
 
 
-class Peer(ConnectorWrapper):
+class Peer(FaultWrapper):
     """A child reachable by peers: it has an address and records the sources it is given."""
 
-    def __init__(self, inner: Connector, name: str) -> None:
+    def __init__(self, inner: Backend, name: str) -> None:
         super().__init__(inner)
         self.name = name
         self.sources: list[Address | None] = []
@@ -161,9 +162,9 @@ class Peer(ConnectorWrapper):
     def address(self) -> dict[str, Any]:
         return {"peer": self.name}
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         self.sources.append(source)
-        return super()._lookup(keys, source)
+        return super().lookup(keys, source)
 
 
 def test_a_multi_address_gives_each_child_its_own_part(make: Make) -> None:

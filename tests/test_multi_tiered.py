@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Backend
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey, chain_keys
-from kvmux.multi.connector import MultiConnector
+from kvmux.multi.backend import MultiBackend
 from kvmux.multi.eviction import ArcPolicy, LruPolicy
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory
 
@@ -23,8 +24,8 @@ TOP = 8
 """Blocks the top tier holds."""
 
 
-def pool() -> Connector:
-    return CpuPoolConnector(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
+def pool() -> Backend:
+    return CpuPoolBackend(CpuPoolConfig(capacity_bytes=2**20, timeout_s=2.0))
 
 
 def keys(n: int, tag: str = "tiered") -> list[BlockKey]:
@@ -36,18 +37,18 @@ def memory() -> KVMemory:
     return KVMemory(DEFAULT_LAYOUT, 64, "cpu", seed=3)
 
 
-Tiered = Callable[..., tuple[MultiConnector, list[Connector]]]
+Tiered = Callable[..., tuple[Connector, list[Backend]]]
 
 
 @pytest.fixture
 def tiered(memory: KVMemory) -> Iterator[Tiered]:
     """``tiered(**options)``: a registered two-tier multi (top holds TOP blocks) and its pools."""
-    made: list[MultiConnector] = []
+    made: list[Connector] = []
 
-    def build(**options: Any) -> tuple[MultiConnector, list[Connector]]:
+    def build(**options: Any) -> tuple[Connector, list[Backend]]:
         pools = [pool(), pool()]
         options.setdefault("tiers", [{"capacity_blocks": TOP}])
-        multi = MultiConnector.of("tiered", pools, **options)
+        multi = Connector(MultiBackend.of("tiered", pools, **options))
         multi.register(memory.layout, memory.caches)
         made.append(multi)
         return multi, pools
@@ -57,9 +58,9 @@ def tiered(memory: KVMemory) -> Iterator[Tiered]:
         multi.close()
 
 
-def held(tier: Connector, ks: list[BlockKey]) -> list[int]:
+def held(tier: Backend, ks: list[BlockKey]) -> list[int]:
     """Which of ``ks`` (by index) ``tier`` holds."""
-    return [i for i, key in enumerate(ks) if tier.lookup([key]) == 1]
+    return [i for i, key in enumerate(ks) if Connector(tier).lookup([key]) == 1]
 
 
 @pytest.mark.parametrize("write", ["back", "through"])
@@ -71,7 +72,7 @@ def test_twice_the_top_capacity_never_overfills_the_top_and_loses_nothing(
     for start in range(0, len(ks), 3):
         part = list(range(start, min(start + 3, len(ks))))
         assert multi.save([ks[i] for i in part], part).result(timeout=5).ok
-        assert top.stats()["blocks_stored"] <= TOP
+        assert Connector(top).stats()["blocks_stored"] <= TOP
         assert multi.stats()["tier.0.blocks"] <= TOP
     assert held(top, ks) == list(range(TOP, 2 * TOP)), "the top keeps the newest blocks"
     assert multi.lookup(ks) == len(ks)
@@ -144,7 +145,7 @@ def test_a_tier_capacity_in_bytes_is_counted_in_whole_blocks(tiered: Tiered) -> 
     multi, (top, _) = tiered(tiers=[{"capacity_bytes": 3 * nbytes + nbytes // 2}])
     multi.save(keys(6), range(6)).result(timeout=5)
     assert multi.stats()["tier.0.capacity_blocks"] == 3
-    assert top.stats()["blocks_stored"] == 3
+    assert Connector(top).stats()["blocks_stored"] == 3
 
 
 def test_released_blocks_leave_every_tier(tiered: Tiered) -> None:

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from kvmux.backends.nixl import NixlConnector
+from kvmux.backends.nixl import NixlBackend
 from kvmux.connector import Connector
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
@@ -49,7 +49,7 @@ class TestNixlAcrossProcesses(CrossProcessTests):
     seed = 13
 
     def transfer_call(self, connector: Connector) -> tuple[object, str]:
-        assert isinstance(connector, NixlConnector)
+        assert isinstance(connector, NixlBackend)
         return connector._agent, "read"
 
     def test_a_producer_ends_a_vanished_consumers_pins_and_serves_the_next(

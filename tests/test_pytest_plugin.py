@@ -37,9 +37,9 @@ def test_suite_runs_against_a_backend_named_on_the_command_line(
     assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 0
     result.stdout.fnmatch_lines(
         [
-            "kvmux backend: backends:cpu = kvmux.backends.cpu:CpuPoolConnector (kvmux *)",
+            "kvmux backend: backends:cpu = kvmux.backends.cpu:CpuPoolBackend (kvmux *)",
             f"kvmux config: {config}",
-            "*requires capability 'persistent' (CpuPoolConnector declares persistent=False)",
+            "*requires capability 'persistent' (CpuPoolBackend declares persistent=False)",
         ]
     )
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
 from kvmux.errors import BackendUnavailableError, ConfigError, UnknownBackendError
 from kvmux.registry import create_connector, parse_config, resolve, scan
 
@@ -93,7 +93,7 @@ def test_config_accepts_dict_json_text_and_model() -> None:
         CpuPoolConfig(capacity_bytes=4096),
     ):
         entry, cls, cfg = parse_config(config)
-        assert (entry.name, cls) == ("cpu", CpuPoolConnector)
+        assert (entry.name, cls) == ("cpu", CpuPoolBackend)
         assert isinstance(cfg, CpuPoolConfig) and cfg.capacity_bytes == 4096
 
 
@@ -145,13 +145,13 @@ def test_broken_plugin_is_listed_unavailable_and_breaks_nothing(fake_dist: FakeD
         except BackendUnavailableError as exc:
             print("unavailable:", exc)
         c = create_connector({"backend": "cpu"})
-        print("cpu ok", type(c).__name__)
+        print("cpu ok", type(c.backend).__name__)
         """,
         site,
     )
     assert proc.returncode == 0, proc.stderr
     assert "unavailable:" in proc.stdout and "boom at import" in proc.stdout
-    assert "cpu ok CpuPoolConnector" in proc.stdout
+    assert "cpu ok CpuPoolBackend" in proc.stdout
 
 
 def test_default_listing_never_calls_an_unimported_plugin_available(
@@ -206,8 +206,8 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
     fake_dist: FakeDist,
 ) -> None:
     module = """
-        from kvmux.backends.cpu import CpuPoolConnector
-        class Mine(CpuPoolConnector):
+        from kvmux.backends.cpu import CpuPoolBackend
+        class Mine(CpuPoolBackend):
             pass
     """
     fake_dist("zeta-kv", {"kvmux.backends": {"dup": "zeta_kv:Mine"}}, {"zeta_kv.py": module})
@@ -236,8 +236,8 @@ def test_two_distributions_claiming_one_name_resolve_deterministically(
     proc = run_python(
         """
         from kvmux.registry import create_connector
-        print(type(create_connector({"backend": "dup"})).__module__)
-        print(type(create_connector({"backend": "cpu"})).__module__)
+        print(type(create_connector({"backend": "dup"}).backend).__module__)
+        print(type(create_connector({"backend": "cpu"}).backend).__module__)
         """,
         site,
     )
@@ -259,7 +259,7 @@ def test_entry_point_that_is_not_a_connector_is_refused(fake_dist: FakeDist) -> 
         site,
     )
     assert proc.returncode != 0
-    assert "BackendUnavailableError" in proc.stderr and "not a Connector subclass" in proc.stderr
+    assert "BackendUnavailableError" in proc.stderr and "not a Backend subclass" in proc.stderr
 
 
 def test_cli_unknown_backend_exits_2_with_suggestion() -> None:

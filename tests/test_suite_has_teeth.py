@@ -105,7 +105,7 @@ def test_suite_fails_a_broken_backend_on_the_tests_about_its_bug(
 
 
 def test_suite_passes_the_unbroken_pool_under_the_same_factory(pytester: pytest.Pytester) -> None:
-    passed, skipped, failed = _run_suite(pytester, "CpuPoolConnector")
+    passed, skipped, failed = _run_suite(pytester, "CpuPoolBackend")
     assert not failed, f"the working cpu pool failed {sorted(failed)}"
     every_must_fail = set().union(*MUST_FAIL.values())
     # Every test that catches a bug runs (passes) on the working pool, unless its

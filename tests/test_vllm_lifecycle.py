@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -23,12 +24,12 @@ from vllm.v1.request import RequestStatus
 from kvmux.adapters.vllm.config import ExtraConfigError
 from kvmux.adapters.vllm.connector import KvmuxConnector
 from kvmux.adapters.vllm.keys import RequestKeys
-from kvmux.connector import Address
+from kvmux.connector import Connector
 from kvmux.errors import ConfigError, UnknownBackendError
-from kvmux.handle import OK, Handle, TransferResult
+from kvmux.handle import Outcome
 from kvmux.keys import BlockKey
 from kvmux.models import tiny_model
-from kvmux.testing.faults import ConnectorWrapper, Delay, DropKeys
+from kvmux.testing.faults import Delay, DropKeys, FaultWrapper
 from vllm_harness import BLOCK, FakeEngine
 
 from support import wait_until
@@ -54,8 +55,9 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _wrap(engine: FakeEngine, make: Any) -> Any:
+    """Put ``make(backend)`` (a fault wrapper) between the worker's connector and its backend."""
     worker = engine.worker.worker_side
-    worker.connector = make(worker.connector)
+    worker.connector = Connector(make(worker.connector.backend))
     return worker.connector
 
 
@@ -273,28 +275,27 @@ def test_an_aborted_prefill_releases_its_own_publication(engines, model_dir):
     _assert_clean(producer)
 
 
-class _HoldSaves(ConnectorWrapper):
-    """A zero-copy-like backend: a save's handle ends only when its keys are released."""
+class _HoldSaves(FaultWrapper):
+    """A zero-copy-like backend: a save ends only when its keys are released."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.capabilities = dataclasses.replace(inner.capabilities, zero_copy=True)
-        self.pending: list[tuple[list[BlockKey], Future[TransferResult]]] = []
+        self.pending: list[tuple[list[BlockKey], threading.Event]] = []
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        self.inner.save(keys, block_ids).wait()
-        future: Future[TransferResult] = Future()
-        self.pending.append((keys, future))
-        return Handle(tuple(keys), future)
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
+        outcomes = super().save(keys, block_ids)
+        released = threading.Event()
+        self.pending.append((keys, released))
+        while not (released.is_set() or self._stop.wait(0.01)):  # closing ends the wait
+            pass  # a lane thread of this wrapper holds the save meanwhile
+        return outcomes
 
-    def _release(self, keys: list[BlockKey]) -> None:
+    def release(self, keys: list[BlockKey]) -> None:
         released = set(keys)
-        for held, future in self.pending:
-            if released.issuperset(held) and not future.done():
-                future.set_result(TransferResult(tuple(held), (OK,) * len(held)))
-
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        return self.inner.load(keys, block_ids, source)
+        for held, event in self.pending:
+            if released.issuperset(held):
+                event.set()
 
 
 def test_lease_ends_the_delayed_free_of_a_request_nobody_pulls(engines, model_dir):

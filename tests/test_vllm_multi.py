@@ -81,7 +81,7 @@ def test_first_child_corrupting_blocks_is_caught_by_checksums(
     stopped += [producer, consumer]
     params = prefill(producer)
     # Damage what the tcp transport delivers, below the checksum that must notice.
-    consumer.call("corrupt_loads", path=["children", 0, "connector", "inner"])
+    consumer.call("corrupt_loads", path=["backend", "children", 0, "backend", "inner"])
     assert tokens(consumer.generate(PROMPTS, MAX_TOKENS, params)) == vllm_reference
     stats = consumer.call("stats")["stats"]
     assert stats["load_blocks_ok"] == LOADED_BLOCKS

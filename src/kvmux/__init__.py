@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Backend": "kvmux.backend",
     "BackendConfig": "kvmux.config",
     "BlockKey": "kvmux.keys",
     "chain_keys": "kvmux.keys",
     "Capabilities": "kvmux.capabilities",
     "Connector": "kvmux.connector",
-    "Health": "kvmux.connector",
+    "Health": "kvmux.backend",
     "Handle": "kvmux.handle",
     "Outcome": "kvmux.handle",
     "Status": "kvmux.handle",
@@ -26,7 +27,7 @@ _EXPORTS = {
     "LayerSpec": "kvmux.layout",
     "LookupBuffer": "kvmux.buffer",
     "Pipe": "kvmux.pipe",
-    "BufferConnector": "kvmux.bridges",
+    "BufferBackend": "kvmux.bridges",
     "PipeLookupBuffer": "kvmux.bridges",
     "create_connector": "kvmux.registry.factory",
     "create_buffer": "kvmux.registry.factory",
@@ -34,9 +35,10 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Backend",
     "BackendConfig",
     "BlockKey",
-    "BufferConnector",
+    "BufferBackend",
     "Capabilities",
     "Connector",
     "Handle",
@@ -56,11 +58,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvmux.bridges import BufferConnector, PipeLookupBuffer
+    from kvmux.backend import Backend, Health
+    from kvmux.bridges import BufferBackend, PipeLookupBuffer
     from kvmux.buffer import LookupBuffer
     from kvmux.capabilities import Capabilities
     from kvmux.config import BackendConfig
-    from kvmux.connector import Connector, Health
+    from kvmux.connector import Connector
     from kvmux.handle import Handle, Outcome, Status, TransferResult
     from kvmux.keys import BlockKey, chain_keys
     from kvmux.layout import KVLayout, LayerSpec

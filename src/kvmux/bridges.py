@@ -19,12 +19,12 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
+from kvmux.backend import Address, Backend, Health
 from kvmux.buffer import LookupBuffer
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector, Health
 from kvmux.errors import ClosedError, ProtocolError, TransferError, TransferTimeout
-from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.messages import Count, Message, WireProtocol
 from kvmux.pipe import Pipe
@@ -244,8 +244,8 @@ class PipeLookupBuffer(LookupBuffer):
                 fut.set_exception(TransferError(f"pipe to peer failed: {exc}"))
 
 
-class BufferConnector(Connector):
-    """Any LookupBuffer as a Connector: one uint8 tensor per key, the block's bytes
+class BufferBackend(Backend):
+    """Any LookupBuffer as a backend: one uint8 tensor per key, the block's bytes
     behind a header holding the layout fingerprint.
 
     A buffer is raw bytes with no handshake, so the header is what stops an
@@ -262,31 +262,33 @@ class BufferConnector(Connector):
         self.buffer = buffer
         self.capabilities = replace(buffer.capabilities, consumes_on_load=True)
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         self._attach(source)
         return self.buffer.count_leading(keys)
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
         header = self._header()
         nbytes = self.copier.block_nbytes
+        outcomes: list[Outcome] = []
+        for key, block in zip(keys, block_ids, strict=True):
+            stored = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
+            stored[:_HEADER_BYTES] = header
+            self.copier.copy_out([block], stored[_HEADER_BYTES:].view(1, nbytes))
+            try:
+                self.buffer.insert(key, stored)
+            except Exception as exc:  # one key's failure is that key's outcome
+                outcomes.append(failed(f"insert failed: {exc}"))
+                continue
+            outcomes.append(OK)
+        return outcomes
 
-        def work() -> tuple[list[Outcome], int]:
-            outcomes: list[Outcome] = []
-            for key, block in zip(keys, block_ids, strict=True):
-                stored = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
-                stored[:_HEADER_BYTES] = header
-                self.copier.copy_out([block], stored[_HEADER_BYTES:].view(1, nbytes))
-                try:
-                    self.buffer.insert(key, stored)
-                except Exception as exc:  # one key's failure is that key's outcome
-                    outcomes.append(failed(f"insert failed: {exc}"))
-                    continue
-                outcomes.append(OK)
-            return outcomes, nbytes * sum(o.ok for o in outcomes)
-
-        return self._run(keys, work)
-
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
         header = self._header()
         nbytes = self.copier.block_nbytes
 
@@ -308,23 +310,18 @@ class BufferConnector(Connector):
             self.copier.copy_in([block], flat[_HEADER_BYTES:].view(1, nbytes))
             return OK
 
-        deadline = time.monotonic() + self.config.timeout_s
-
-        def work() -> tuple[list[Outcome], int]:
-            self._attach(source)
-            outcomes: list[Outcome] = []
-            for key, block in zip(keys, block_ids, strict=True):
-                if time.monotonic() >= deadline:  # a peer that stopped answering
-                    late = failed(f"deadline of {self.config.timeout_s} s passed")
-                    outcomes.extend([late] * (len(keys) - len(outcomes)))
-                    break
-                try:
-                    outcomes.append(one(key, block))
-                except Exception as exc:  # one key's failure is that key's outcome
-                    outcomes.append(failed(str(exc)))
-            return outcomes, nbytes * sum(o.ok for o in outcomes)
-
-        return self._run(keys, work, deadline=deadline)
+        self._attach(source)
+        outcomes: list[Outcome] = []
+        for key, block in zip(keys, block_ids, strict=True):
+            if time.monotonic() >= deadline:  # a peer that stopped answering
+                late = failed(f"deadline of {self.config.timeout_s} s passed")
+                outcomes.extend([late] * (len(keys) - len(outcomes)))
+                break
+            try:
+                outcomes.append(one(key, block))
+            except Exception as exc:  # one key's failure is that key's outcome
+                outcomes.append(failed(str(exc)))
+        return outcomes
 
     def _header(self) -> torch.Tensor:
         digest = bytes.fromhex(self.copier.layout.fingerprint())
@@ -335,15 +332,14 @@ class BufferConnector(Connector):
             self.buffer.connect(source)
 
     def health(self) -> Health:
-        own = super().health()
-        return self.buffer.health() if own.healthy else own
+        return self.buffer.health()
 
     def address(self) -> dict[str, Any] | None:
         return self.buffer.address()
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self.buffer.close()
 
 
 _HEADER_BYTES = 16
-"""Length of the layout fingerprint in front of every block a BufferConnector stores."""
+"""Length of the layout fingerprint in front of every block a BufferBackend stores."""

@@ -3,7 +3,7 @@
 ``insert`` never blocks; ``drop_select`` waits for a key to arrive (or times
 out) and removes it, so a producer and a consumer meet through keys instead of
 through order. Databases, key-value stores and caches fit here; wrap one in
-:class:`kvmux.bridges.BufferConnector` to use it as a Connector.
+:class:`kvmux.bridges.BufferBackend` to use it as a Connector.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvmux.backend import Health
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Health
 from kvmux.keys import BlockKey
 
 

@@ -1,7 +1,7 @@
 """What a backend can do, declared up front.
 
 The conformance suite skips a test only when a capability says the backend
-does not promise that behaviour (and says which), and the MultiConnector
+does not promise that behaviour (and says which), and the MultiBackend
 refuses compositions whose children cannot work together.
 """
 

@@ -43,22 +43,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import Field
 
+from kvmux.backend import Address, Backend
+from kvmux.blocks import BlockCopier
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector
 from kvmux.errors import LayoutError
-from kvmux.handle import Handle, Outcome, Status, TransferResult, failed
+from kvmux.handle import Outcome, Status, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout, LayerSpec
-from kvmux.registry.factory import create_connector
+from kvmux.registry.factory import create_backend
 from kvmux.registry.loader import NestedConfig, parse_config
-from kvmux.wrapping import WrappingConnector
+from kvmux.wrapping import WrappingBackend
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +97,17 @@ class ChecksumConfig(BackendConfig):
     )
 
 
-class ChecksumConnector(WrappingConnector):
+class ChecksumBackend(WrappingBackend):
     """Wraps ``inner``; everything but the checksum is the inner backend's behaviour."""
 
     config_model = ChecksumConfig
     config: ChecksumConfig
-    max_workers = 8
+    workers = 8
     """Transfers mostly wait on the inner backend."""
 
-    def __init__(self, config: ChecksumConfig, inner: Connector | None = None) -> None:
+    def __init__(self, config: ChecksumConfig, inner: Backend | None = None) -> None:
         """Build the inner backend from ``config.inner``, or adopt ``inner`` (unregistered)."""
-        super().__init__(config)
-        self.inner = inner if inner is not None else create_connector(config.inner)
+        super().__init__(inner if inner is not None else create_backend(config.inner), config)
         limit = self.inner.capabilities.max_block_nbytes
         self.capabilities = replace(
             self.inner.capabilities,
@@ -117,8 +117,8 @@ class ChecksumConnector(WrappingConnector):
         self._layers: list[tuple[torch.Tensor, int]] = []
 
     @classmethod
-    def wrap(cls, inner: Connector, algorithm: str = "crc32") -> ChecksumConnector:
-        """``inner`` (a live, unregistered connector) behind checksums."""
+    def wrap(cls, inner: Backend, algorithm: str = "crc32") -> ChecksumBackend:
+        """``inner`` (a live, unregistered backend) behind checksums."""
         data = {"backend": "checksum", "inner": inner.config, "algorithm": algorithm}
         _, _, config = parse_config(data)
         assert isinstance(config, ChecksumConfig)
@@ -128,7 +128,8 @@ class ChecksumConnector(WrappingConnector):
     def trailer_layer(self) -> str:
         return f"kvmux.checksum.{self.config.algorithm}.keyed"
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout, caches = blocks.layout, blocks.caches
         name = self.trailer_layer
         if name in caches:
             raise LayoutError(f"a KV layer is already called {name!r}")
@@ -142,7 +143,7 @@ class ChecksumConnector(WrappingConnector):
             device=layout.device,
             model=layout.model,
         )
-        self.inner.register(extended, {**caches, name: trailers})
+        self.inner_runner.register(extended, {**caches, name: trailers})
         self._trailers = trailers
         self._layers = [(caches[s.name].view(torch.uint8), s.block_dim) for s in layout.layers]
 
@@ -160,46 +161,42 @@ class ChecksumConnector(WrappingConnector):
             out[row, : len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         return out
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
         trailers = self._trailers
         assert trailers is not None
+        index = torch.tensor(block_ids, dtype=torch.long, device=trailers.device)
+        trailers[index] = self._digests(keys, block_ids).to(trailers.device)
+        return super().save(keys, block_ids)
 
-        def work() -> tuple[list[Outcome], int]:
-            index = torch.tensor(block_ids, dtype=torch.long, device=trailers.device)
-            trailers[index] = self._digests(keys, block_ids).to(trailers.device)
-            result = self._await(self.inner._transfer_prechecked("save", keys, block_ids))
-            return list(result.outcomes), result.nbytes
-
-        return self._run(keys, work)
-
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
         trailers = self._trailers
         assert trailers is not None
-
-        def work() -> tuple[list[Outcome], int]:
-            result = self._await(self.inner._transfer_prechecked("load", keys, block_ids, source))
-            outcomes = list(result.outcomes)
-            arrived = [j for j, o in enumerate(outcomes) if o.status is Status.OK]
-            if not arrived:
-                return outcomes, result.nbytes
-            blocks = [block_ids[j] for j in arrived]
-            index = torch.tensor(blocks, dtype=torch.long, device=trailers.device)
-            stored = trailers[index].cpu()
-            actual = self._digests([keys[j] for j in arrived], blocks)
-            bad = (stored != actual).any(dim=1).tolist()
-            refused = [j for j, mismatch in zip(arrived, bad, strict=True) if mismatch]
-            for j in refused:
-                outcomes[j] = failed(
-                    f"checksum mismatch ({self.config.algorithm}): the block arrived damaged, "
-                    "or is another key's; the store is told to drop it"
-                )
-            if refused:
-                self._drop([keys[j] for j in refused])
-            self._stats.add("checksum_verified", len(arrived) - len(refused))
-            self._stats.add("checksum_mismatches", len(refused))
-            return outcomes, result.nbytes
-
-        return self._run(keys, work)
+        outcomes = list(super().load(keys, block_ids, source, deadline))
+        arrived = [j for j, o in enumerate(outcomes) if o.status is Status.OK]
+        if not arrived:
+            return outcomes
+        blocks = [block_ids[j] for j in arrived]
+        index = torch.tensor(blocks, dtype=torch.long, device=trailers.device)
+        stored = trailers[index].cpu()
+        actual = self._digests([keys[j] for j in arrived], blocks)
+        bad = (stored != actual).any(dim=1).tolist()
+        refused = [j for j, mismatch in zip(arrived, bad, strict=True) if mismatch]
+        for j in refused:
+            outcomes[j] = failed(
+                f"checksum mismatch ({self.config.algorithm}): the block arrived damaged, "
+                "or is another key's; the store is told to drop it"
+            )
+        if refused:
+            self._drop([keys[j] for j in refused])
+        self.counters.add("checksum_verified", len(arrived) - len(refused))
+        self.counters.add("checksum_mismatches", len(refused))
+        return outcomes
 
     def _drop(self, keys: list[BlockKey]) -> None:
         """Have the inner backend forget blocks that failed verification, so its
@@ -208,7 +205,7 @@ class ChecksumConnector(WrappingConnector):
         try:
             self.inner.release(keys)
         except Exception as exc:  # the load's outcomes stand whatever release does
-            self._stats.add("checksum_drop_errors")
+            self.counters.add("checksum_drop_errors")
             log.warning(
                 "kvmux checksum: could not drop %d damaged blocks from %s: %s: %s",
                 len(keys),
@@ -216,11 +213,3 @@ class ChecksumConnector(WrappingConnector):
                 type(exc).__name__,
                 exc,
             )
-
-    def _await(self, handle: Handle) -> TransferResult:
-        """The inner result; an inner backend that overruns our deadline fails its keys."""
-        try:
-            return handle.result(timeout=self.config.timeout_s)
-        except TimeoutError:
-            reason = f"inner backend did not finish within {self.config.timeout_s:g} s"
-            return TransferResult(handle.keys, (failed(reason),) * len(handle.keys))

@@ -5,7 +5,7 @@ after that both ends may send and receive, each direction in FIFO order.
 Before the peer attaches, send and receive wait for it (within their timeout). A
 third party that can move bytes between two processes implements this and
 gets a whole Connector from :class:`kvmux.bridges.PipeLookupBuffer` and
-:class:`kvmux.bridges.BufferConnector`.
+:class:`kvmux.bridges.BufferBackend`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The conformance suite on the sqlite LookupBuffer, bridged to a Connector.
 
 The factory builds what the registry builds for ``{"backend": "buffers:sqlite"}``: a
-``BufferConnector`` around the buffer. Every instance opens the same file, so
+``BufferBackend`` around the buffer. Every instance opens the same file, so
 the suite's reopen tests see the blocks persist.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from kvmux_example.sqlite import SqliteBuffer, SqliteConfig
 
-from kvmux.bridges import BufferConnector
+from kvmux.bridges import BufferBackend
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey
 from kvmux.testing.suite import ConnectorSuite
@@ -26,7 +26,7 @@ class TestSqliteBuffer(ConnectorSuite):
     def connector_factory(self, tmp_path: Path) -> Any:
         def make(**overrides: Any) -> Connector:
             config = SqliteConfig(path=tmp_path, timeout_s=5, **overrides)
-            return BufferConnector(SqliteBuffer(config), config)
+            return Connector(BufferBackend(SqliteBuffer(config), config))
 
         return make
 

@@ -11,7 +11,7 @@ import torch
 from kvmux_example import framing
 from kvmux_example.uds import UdsPipeConfig, UnixSocketPipe
 
-from kvmux.bridges import BufferConnector, PipeLookupBuffer
+from kvmux.bridges import BufferBackend, PipeLookupBuffer
 from kvmux.connector import Connector
 from kvmux.errors import ProtocolError, TransferTimeout
 from kvmux.testing.suite import ConnectorSuite
@@ -22,7 +22,9 @@ class TestUdsPipe(ConnectorSuite):
     def connector_factory(self) -> Any:
         def make(**overrides: Any) -> Connector:
             config = UdsPipeConfig(timeout_s=5, **overrides)
-            return BufferConnector(PipeLookupBuffer(UnixSocketPipe(config), config), config)
+            return Connector(
+                BufferBackend(PipeLookupBuffer(UnixSocketPipe(config), config), config)
+            )
 
         return make
 

@@ -33,18 +33,18 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from pydantic import Field
 
+from kvmux.backend import Address, Backend
 from kvmux.backends.block_file import BlockFormat
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector
 from kvmux.errors import CapacityError, ConfigError, StorageError
-from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 
@@ -67,7 +67,7 @@ class DiskConfig(BackendConfig):
     )
 
 
-class DiskConnector(Connector):
+class DiskBackend(Backend):
     config_model = DiskConfig
     capabilities = Capabilities(persistent=True, file_backed=True, capacity_bound=True)
     config: DiskConfig
@@ -81,7 +81,8 @@ class DiskConnector(Connector):
         self._index: OrderedDict[BlockKey, None] = OrderedDict()  # LRU order
         self.evictions = 0
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout = blocks.layout
         cap = self.config.capacity_bytes
         if cap is not None and cap < layout.block_nbytes:
             raise CapacityError(
@@ -117,7 +118,7 @@ class DiskConnector(Connector):
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         with self._lock:
             for i, key in enumerate(keys):
                 if key not in self._index:
@@ -126,21 +127,18 @@ class DiskConnector(Connector):
 
     # ------------------------------------------------------------------ save
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        def work() -> tuple[list[Outcome], int]:
-            rows = self.copier.gather(block_ids)
-            outcomes: list[Outcome] = []
-            for i, key in enumerate(keys):
-                try:
-                    self._write(key, rows[i])
-                    outcomes.append(OK)
-                except OSError as exc:
-                    # One reason for every block a cause fails, so a caller can log it once.
-                    outcomes.append(failed(f"cannot write blocks in {self._dir}: {_oserror(exc)}"))
-            self._evict()
-            return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
-
-        return self._run(keys, work)
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        rows = self.copier.gather(block_ids)
+        outcomes: list[Outcome] = []
+        for i, key in enumerate(keys):
+            try:
+                self._write(key, rows[i])
+                outcomes.append(OK)
+            except OSError as exc:
+                # One reason for every block a cause fails, so a caller can log it once.
+                outcomes.append(failed(f"cannot write blocks in {self._dir}: {_oserror(exc)}"))
+        self._evict()
+        return outcomes
 
     def _write(self, key: BlockKey, row: torch.Tensor) -> None:
         path = self._path(key)
@@ -177,12 +175,14 @@ class DiskConnector(Connector):
 
     # ------------------------------------------------------------------ load
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        def work() -> tuple[list[Outcome], int]:
-            outcomes = [self._read(key, block) for key, block in zip(keys, block_ids, strict=True)]
-            return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
-
-        return self._run(keys, work)
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
+        return [self._read(key, block) for key, block in zip(keys, block_ids, strict=True)]
 
     def _read(self, key: BlockKey, block: int) -> Outcome:
         nbytes = self.copier.block_nbytes
@@ -219,7 +219,7 @@ class DiskConnector(Connector):
     def _discard(self, key: BlockKey, path: Path, identity: os.stat_result) -> None:
         """Remove a block file that failed verification, unless a save has meanwhile
         replaced it with a new one (another inode): that one is sound and stays."""
-        self._stats.add("damaged_blocks_removed")
+        self.counters.add("damaged_blocks_removed")
         try:
             current = os.stat(path)
         except FileNotFoundError:
@@ -233,7 +233,7 @@ class DiskConnector(Connector):
 
     # ------------------------------------------------------------------ misc
 
-    def _release(self, keys: list[BlockKey]) -> None:
+    def release(self, keys: list[BlockKey]) -> None:
         for key in keys:
             self._forget(key)
             self._path(key).unlink(missing_ok=True)
@@ -252,10 +252,9 @@ class DiskConnector(Connector):
         return self._dir / self.block_format.file_name(key)
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
         with self._lock:
             stored = len(self._index)
-        out.update(blocks_stored=stored, evictions=self.evictions)
+        out: dict[str, float] = {"blocks_stored": stored, "evictions": self.evictions}
         if self.layout is not None:
             out["bytes_stored"] = stored * self.layout.block_nbytes
         return out

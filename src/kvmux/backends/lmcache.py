@@ -21,7 +21,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,11 +28,12 @@ from urllib.parse import urlsplit
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from kvmux.backend import Address, Backend, Health
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector, Health
 from kvmux.errors import NotRegisteredError, TransferError
-from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.net.advertise import host_facing
@@ -101,7 +101,7 @@ class LmcacheConfig(BackendConfig):
         return parts.hostname, parts.port
 
 
-class LmcacheConnector(Connector):
+class LmcacheBackend(Backend):
     """Saves through ``LMCacheEngine.store`` and loads from its storage manager.
 
     A save ends when every key has reached the last tier configured (remote,
@@ -132,13 +132,14 @@ class LmcacheConnector(Connector):
 
     # ------------------------------------------------------------------ set-up
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvmux.backends.lmcache_kv import BlockCopyConnector, lmcache_kv_shape
 
+        layout, caches = blocks.layout, blocks.caches
         kv_shape = lmcache_kv_shape(layout)
         copy = BlockCopyConnector(layout, caches)
         if not self.config.telemetry:
@@ -226,7 +227,7 @@ class LmcacheConnector(Connector):
 
     # ------------------------------------------------------------------ lookup
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         """0 before ``register``: LMCache's keys and engine need the layout. A vLLM
         scheduler reaches the registered connector of its worker instead."""
         engine = self._engine
@@ -238,22 +239,16 @@ class LmcacheConnector(Connector):
 
     # ------------------------------------------------------------------ save
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        def work() -> tuple[list[Outcome], int]:
-            engine = self._live_engine()
-            bs = self.copier.layout.block_size
-            engine.store(
-                hashes=[_chunk_hash(k) for k in keys],
-                offsets=[bs] * len(keys),
-                slot_mapping=self._slot_mapping(block_ids).tolist(),
-            )
-            landed = self._wait_landed(
-                self._lmc_keys(keys), time.monotonic() + self.config.timeout_s
-            )
-            outcomes = [OK if ok else failed(why) for ok, why in landed]
-            return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
-
-        return self._run(keys, work)
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        engine = self._live_engine()
+        bs = self.copier.layout.block_size
+        engine.store(
+            hashes=[_chunk_hash(k) for k in keys],
+            offsets=[bs] * len(keys),
+            slot_mapping=self._slot_mapping(block_ids).tolist(),
+        )
+        landed = self._wait_landed(self._lmc_keys(keys), time.monotonic() + self.config.timeout_s)
+        return [OK if ok else failed(why) for ok, why in landed]
 
     def _final_tier(self) -> str:
         if self.config.remote_url is not None:
@@ -296,12 +291,14 @@ class LmcacheConnector(Connector):
 
     # ------------------------------------------------------------------ load
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        def work() -> tuple[list[Outcome], int]:
-            outcomes = self._retrieve(self._lmc_keys(keys), block_ids)
-            return outcomes, sum(o.ok for o in outcomes) * self.copier.block_nbytes
-
-        return self._run(keys, work)
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
+        return self._retrieve(self._lmc_keys(keys), block_ids)
 
     def _retrieve(self, lmc_keys: list[Any], block_ids: list[int]) -> list[Outcome]:
         """Copy each key LMCache has into its block. LMCache maps keys to tiers by
@@ -344,7 +341,7 @@ class LmcacheConnector(Connector):
 
     # ------------------------------------------------------------------ misc
 
-    def _release(self, keys: list[BlockKey]) -> None:
+    def release(self, keys: list[BlockKey]) -> None:
         if self._engine is None:
             return
         storage = self._engine.storage_manager
@@ -364,8 +361,6 @@ class LmcacheConnector(Connector):
         return None
 
     def health(self) -> Health:
-        if self._closed:
-            return Health(False, "closed")
         if self._engine is not None and not self._engine.is_healthy():
             return Health(False, "LMCache reports itself unhealthy")
         reason = self._probe_remote()
@@ -373,7 +368,7 @@ class LmcacheConnector(Connector):
             return Health(False, f"LMCache remote {self.config.remote_url}: {reason}")
         return Health(True)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._engine is not None:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from kvmux.bench.shapes import Shape
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey, chain_keys
-from kvmux.multi.connector import MultiConnector
+from kvmux.multi.backend import MultiBackend
 from kvmux.registry import create_connector
 from kvmux.testing.faults import Die, DropKeys
 
@@ -51,14 +51,13 @@ def bench_multi(shape: Shape, repeats: int = 5) -> list[MultiBenchRecord]:
         return c
 
     alone = cpu()
-    one_child = MultiConnector.of("fallback", [cpu()])
+    one_child = Connector(MultiBackend.of("fallback", [cpu().backend]))
     lossy_first, second = cpu(), cpu()
-    dropper = DropKeys(lossy_first, rate=0.5)
-    half_lost = MultiConnector.of("fallback", [dropper, second])
+    dropper = DropKeys(lossy_first.backend, rate=0.5)
+    half_lost = Connector(MultiBackend.of("fallback", [dropper, second.backend]))
     hung_first, backup = cpu(timeout_s=HANG_TIMEOUT_S), cpu()
-    hanging = MultiConnector.of(
-        "fallback", [Die(hung_first, mode="hang", deadline_s=HANG_TIMEOUT_S), backup]
-    )
+    hung = Die(hung_first.backend, mode="hang", deadline_s=HANG_TIMEOUT_S)
+    hanging = Connector(MultiBackend.of("fallback", [hung, backup.backend]))
     connectors = [alone, one_child, half_lost, hanging]
     for c in connectors:
         c.register(layout, caches)

@@ -1,2 +1,2 @@
 """LookupBuffer backends: keyed stores that become Connectors through
-:class:`kvmux.bridges.BufferConnector` (entry-point group ``kvmux.buffers``)."""
+:class:`kvmux.bridges.BufferBackend` (entry-point group ``kvmux.buffers``)."""

@@ -1,5 +1,5 @@
 """``mooncake-store``: Mooncake Store as a LookupBuffer (and, through
-:class:`~kvmux.bridges.BufferConnector`, as a Connector: ``buffers:mooncake-store``).
+:class:`~kvmux.bridges.BufferBackend`, as a Connector: ``buffers:mooncake-store``).
 
 Mooncake Store is a distributed key-value store for KV cache: a master
 (``mooncake_master``) keeps the index; every client contributes a *global
@@ -35,9 +35,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from kvmux.backend import Health
 from kvmux.buffer import LookupBuffer
 from kvmux.config import BackendConfig
-from kvmux.connector import Health
 from kvmux.errors import ClosedError, TransferError, TransferTimeout
 from kvmux.keys import BlockKey
 from kvmux.net.advertise import host_facing

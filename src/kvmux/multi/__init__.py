@@ -1,7 +1,7 @@
-"""The MultiConnector (``multi``): several backends behind one Connector, composed by
+"""The MultiBackend (``multi``): several backends behind one backend, composed by
 a pluggable policy (``first-hit``, ``fallback``, ``tiered``, or a third party's).
 
-Modules: ``connector`` (the Connector), ``config`` (its config), ``policy`` (the
+Modules: ``backend`` (the MultiBackend), ``config`` (its config), ``policy`` (the
 policy interface and shared helpers), ``policies/`` (built-ins), ``child``
 (isolation and per-child stats), ``breaker``, ``eviction``, ``staging``.
 """

@@ -1,10 +1,15 @@
-"""One child of a MultiConnector, as its policy sees it: isolated, timed, counted.
+"""One child of a MultiBackend, as its policy sees it: isolated, timed, counted.
 
-Policies never call a child connector directly. Through :class:`Child`, a
+Policies never call a child backend directly. Through :class:`Child`, a
 child that raises, hangs past its own ``timeout_s`` or sits behind an open
 circuit breaker simply yields ``failed`` outcomes (or a lookup of 0), so a
 policy only ever reasons about per-key outcomes, and one sick child cannot
 take the others down. Each child keeps its own counters for ``stats()``.
+
+A child backend runs through a :class:`~kvmux.runner.Runner` of its own, as
+it would behind a connector: its transfers keep their threads, lanes and
+stats. The multi's front checked the request once; the parts a policy
+passes on are not checked again.
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
+from kvmux.backend import Address, Backend, Health
 from kvmux.capabilities import Capabilities
-from kvmux.connector import Address, Connector
 from kvmux.errors import TransferTimeout
 from kvmux.handle import OK, Handle, Outcome, Status, TransferResult, failed
 from kvmux.keys import BlockKey
+from kvmux.layout import KVLayout
 from kvmux.multi.breaker import BreakerConfig, CircuitBreaker
+from kvmux.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -102,23 +111,30 @@ class Attempt:
 
 
 class Child:
-    """A child connector behind isolation, a circuit breaker and counters. Thread-safe."""
+    """A child backend behind isolation, a circuit breaker and counters. Thread-safe."""
 
-    def __init__(self, index: int, connector: Connector, breaker: BreakerConfig) -> None:
+    def __init__(self, index: int, backend: Backend, breaker: BreakerConfig) -> None:
         self.index = index
-        self.connector = connector
-        self.label = f"child {index} ({connector.config.backend})"
+        self.backend = backend
+        self.label = f"child {index} ({backend.config.backend})"
         self.breaker = CircuitBreaker(breaker, self._healthy)
         self._lock = threading.Lock()
         self._counts: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
 
     @property
+    def runner(self) -> Runner:
+        """Runs the child's transfers: its lanes, deadlines and stats (a runner holds
+        nothing but its backend, so one whose backend is swapped, as a test's fault
+        injector does, runs the new one)."""
+        return Runner(self.backend)
+
+    @property
     def capabilities(self) -> Capabilities:
-        return self.connector.capabilities
+        return self.backend.capabilities
 
     @property
     def timeout_s(self) -> float:
-        return self.connector.config.timeout_s
+        return self.backend.config.timeout_s
 
     def count(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -135,7 +151,7 @@ class Child:
         if not keys or not self._admit():
             return 0
         try:
-            found = self.connector.lookup(keys, self._source(source))
+            found = self.runner.lookup(list(keys), self._source(source))
         except Exception as exc:  # isolation: one child's bug is that child's miss
             self.count("errors")
             self.breaker.record(False)
@@ -144,20 +160,25 @@ class Child:
         self.breaker.record(True)
         return found
 
+    def register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+        self.runner.register(layout, caches)
+
     def start_save(self, keys: Sequence[BlockKey], ids: Sequence[int]) -> Attempt:
         """Start saving; ``keys`` and ``ids`` must be valid for the child as they are
-        not checked again (see :meth:`Connector._transfer_prechecked`): a part of a
-        request the multi checked, or staging slots, never keys or ids repeated."""
-        connector = self.connector
-        return self._start("save", keys, lambda: connector._transfer_prechecked("save", keys, ids))
+        not checked again: a part of a request the multi checked, or staging slots,
+        never keys or ids repeated."""
+        runner, raised = self.runner, self._raised
+        return self._start(
+            "save", keys, lambda: runner.save(list(keys), list(ids), on_error=raised)
+        )
 
     def start_load(
         self, keys: Sequence[BlockKey], ids: Sequence[int], source: Address | None
     ) -> Attempt:
         """Start loading; the same promise about ``keys`` and ``ids`` as ``start_save``."""
-        own, connector = self._source(source), self.connector
+        own, runner, raised = self._source(source), self.runner, self._raised
         return self._start(
-            "load", keys, lambda: connector._transfer_prechecked("load", keys, ids, own)
+            "load", keys, lambda: runner.load(list(keys), list(ids), own, on_error=raised)
         )
 
     def save(self, keys: Sequence[BlockKey], ids: Sequence[int], deadline: float) -> TransferResult:
@@ -175,16 +196,18 @@ class Child:
 
     def release(self, keys: Sequence[BlockKey]) -> None:
         if keys:
-            self._quietly("release", lambda: self.connector.release(keys))
+            self._quietly("release", lambda: self.backend.release(list(keys)))
 
     def publish(self, keys: Sequence[BlockKey], lease: str, lease_s: float) -> None:
-        self._quietly("publish", lambda: self.connector.publish(keys, lease, lease_s))
+        self._quietly("publish", lambda: self.backend.publish(list(keys), lease, lease_s))
 
     def renew(self, leases: Sequence[str], source: Address | None) -> None:
-        self._quietly("renew", lambda: self.connector.renew(leases, self._source(source)))
+        self._quietly("renew", lambda: self.backend.renew(list(leases), self._source(source)))
 
     def unpublish(self, leases: Sequence[str], source: Address | None) -> None:
-        self._quietly("unpublish", lambda: self.connector.unpublish(leases, self._source(source)))
+        self._quietly(
+            "unpublish", lambda: self.backend.unpublish(list(leases), self._source(source))
+        )
 
     def _quietly(self, what: str, call: Callable[[], None]) -> None:
         """Bookkeeping calls: a child that raises is counted, never propagated."""
@@ -196,7 +219,7 @@ class Child:
 
     def close(self) -> None:
         try:
-            self.connector.close()
+            self.runner.close()
         except Exception as exc:
             log.warning("%s: close raised %s: %s", self.label, type(exc).__name__, exc)
 
@@ -218,6 +241,11 @@ class Child:
             reason = f"{type(exc).__name__}: {exc}"
             return Attempt(self, op, keys, result=self.all_failed(keys, reason))
         return Attempt(self, op, keys, handle=handle)
+
+    def _raised(self, exc: Exception) -> None:
+        """A transfer of the child raised: counted (its keys fail, as a result)."""
+        self.count("errors")
+        log.debug("%s: a transfer raised %s: %s", self.label, type(exc).__name__, exc)
 
     def _admit(self) -> bool:
         if self.breaker.allow():
@@ -271,7 +299,7 @@ class Child:
         return TransferResult(result.keys, outcomes, result.nbytes, result.seconds)
 
     def _source(self, source: Address | None) -> Address | None:
-        """This child's part of a multi's address (see ``MultiConnector.address``)."""
+        """This child's part of a multi's address (see ``MultiBackend.address``)."""
         if source is None:
             return None
         parts = source.get("children")
@@ -280,8 +308,13 @@ class Child:
             return own
         return source
 
+    def health(self) -> Health:
+        if self.backend.closed:
+            return Health(False, "closed")
+        return self.backend.health()
+
     def _healthy(self) -> bool:
-        return self.connector.health().healthy
+        return self.health().healthy
 
     def stats(self) -> dict[str, float]:
         prefix = f"child.{self.index}."
@@ -290,7 +323,7 @@ class Child:
         out[prefix + "breaker_state"] = float(self.breaker.state)
         out[prefix + "breaker_opens"] = float(self.breaker.opens)
         try:
-            own = self.connector.stats()
+            own = self.runner.stats()
         except Exception:  # stats are best effort; a broken child still reports ours
             own = {}
         out.update({f"{prefix}backend.{name}": value for name, value in own.items()})

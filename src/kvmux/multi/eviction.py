@@ -1,4 +1,4 @@
-"""Eviction policies for the tiers of a ``tiered`` MultiConnector.
+"""Eviction policies for the tiers of a ``tiered`` MultiBackend.
 
 A tier's capacity is enforced by the multi itself, whatever bound its
 backend keeps (or lacks), so the multi must decide *which* block leaves a

@@ -1,6 +1,6 @@
-"""Policies: what a MultiConnector does with its children.
+"""Policies: what a MultiBackend does with its children.
 
-The MultiConnector owns the children (building them, isolation, breakers,
+The MultiBackend owns the children (building them, isolation, breakers,
 stats, checks at register); a policy only decides where keys go and come
 from. Policies are plugins: a class registered in the ``kvmux.policies``
 entry-point group, chosen by the ``policy`` field of a multi config, with
@@ -26,9 +26,9 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from kvmux.backend import Address
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address
 from kvmux.errors import CapacityError, LayoutError
 from kvmux.handle import MISSING, OK, Outcome, Status, failed
 from kvmux.keys import BlockKey
@@ -60,7 +60,7 @@ class ChildSpec:
     def built(cls, child: Child) -> ChildSpec:
         """The spec of a built child: what the instance declares."""
         capabilities = child.capabilities
-        return cls(child.index, child.connector.config, lambda: capabilities)
+        return cls(child.index, child.backend.config, lambda: capabilities)
 
     @cached_property
     def capabilities(self) -> Capabilities:
@@ -68,7 +68,7 @@ class ChildSpec:
 
 
 class Policy(ABC):
-    """Routes a MultiConnector's lookups, saves and loads over its children."""
+    """Routes a MultiBackend's lookups, saves and loads over its children."""
 
     options_model: ClassVar[type[PolicyOptions]] = PolicyOptions
 
@@ -98,12 +98,12 @@ class Policy(ABC):
     @abstractmethod
     def save(
         self, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]: ...
+    ) -> list[Outcome]: ...
 
     @abstractmethod
     def load(
         self, keys: list[BlockKey], block_ids: list[int], source: Address | None, deadline: float
-    ) -> tuple[list[Outcome], int]: ...
+    ) -> list[Outcome]: ...
 
     def release(self, keys: list[BlockKey]) -> None:
         for child in self.children:
@@ -137,7 +137,7 @@ def derive_capabilities(caps: Sequence[Capabilities], *, persistent: bool) -> Ca
 def register_child(child: Child, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
     """Register one child, its refusal naming which child refused and why."""
     try:
-        child.connector.register(layout, caches)
+        child.register(layout, caches)
     except (LayoutError, CapacityError) as exc:
         raise type(exc)(f"{child.label}: {exc}") from exc
 
@@ -164,7 +164,6 @@ class Delivery:
     """Outcome of loading keys from several children in turn."""
 
     outcomes: list[Outcome]
-    nbytes: int
     delivered_by: list[int | None]
     """Per key, the index of the child that delivered it (None if none did)."""
 
@@ -190,7 +189,6 @@ def load_in_turn(
     delivered: list[int | None] = [None] * n
     reasons: dict[int, list[str]] = {}  # only keys some child failed (a miss is no reason)
     pending = list(range(n))
-    nbytes = 0
     for child in children:
         if not pending:
             break
@@ -207,7 +205,6 @@ def load_in_turn(
             deadline,
             on_late,
         )
-        nbytes += result.nbytes
         if plainly_ok(result.outcomes, len(pending)):  # the usual: it delivered them all
             if whole:
                 outcomes, delivered = [OK] * n, [child.index] * n
@@ -233,7 +230,7 @@ def load_in_turn(
     for j in pending:
         if j in reasons:
             outcomes[j] = failed("; ".join(reasons[j]))
-    return Delivery(outcomes, nbytes, delivered)
+    return Delivery(outcomes, delivered)
 
 
 def _count_fallbacks(child: Child, n: int) -> None:
@@ -243,13 +240,12 @@ def _count_fallbacks(child: Child, n: int) -> None:
 
 def save_to_all(
     children: Sequence[Child], keys: Sequence[BlockKey], ids: Sequence[int], deadline: float
-) -> tuple[list[Outcome], int]:
+) -> list[Outcome]:
     """Save to every child at once; a key is ok once any child stored it."""
     attempts = [child.start_save(keys, ids) for child in children]
     results = [attempt.finish(deadline) for attempt in attempts]
-    nbytes = sum(result.nbytes for result in results)
     if any(plainly_ok(result.outcomes, len(keys)) for result in results):
-        return [OK] * len(keys), nbytes  # the usual case: one child (at least) stored all
+        return [OK] * len(keys)  # the usual case: one child (at least) stored all
     outcomes: list[Outcome] = []
     for j in range(len(keys)):
         mine = [result.outcomes[j] for result in results]
@@ -257,4 +253,4 @@ def save_to_all(
             outcomes.append(OK)
         else:
             outcomes.append(failed("; ".join(o.reason or "failed" for o in mine)))
-    return outcomes, nbytes
+    return outcomes

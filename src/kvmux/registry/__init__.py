@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 from kvmux.registry.entries import CONNECTOR_GROUPS, GROUPS, BackendEntry, scan, scan_all
 
 if TYPE_CHECKING:
-    from kvmux.registry.factory import create_buffer, create_connector, create_pipe
+    from kvmux.registry.factory import (
+        create_backend,
+        create_buffer,
+        create_connector,
+        create_pipe,
+    )
     from kvmux.registry.loader import (
         check_kind,
         load_check,
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "create_backend": "kvmux.registry.factory",
     "create_buffer": "kvmux.registry.factory",
     "create_connector": "kvmux.registry.factory",
     "create_pipe": "kvmux.registry.factory",
@@ -50,6 +56,7 @@ __all__ = [
     "GROUPS",
     "BackendEntry",
     "check_kind",
+    "create_backend",
     "create_buffer",
     "create_connector",
     "create_pipe",

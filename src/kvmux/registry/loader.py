@@ -3,9 +3,9 @@
 A name is looked up in exactly one entry-point group; groups never fall through
 into each other (``tcp`` is a backend and ``pipes:tcp`` a pipe). Where a
 connector config names its backend, a bare name is a ``kvmux.backends`` entry,
-and a lookup buffer or pipe (bridged to a connector) is asked for as
+and a lookup buffer or pipe (bridged to a backend) is asked for as
 ``buffers:NAME`` or ``pipes:NAME``. Only the chosen entry point is imported.
-Whether the imported object is the kind its caller needs (a Connector, a
+Whether the imported object is the kind its caller needs (a Backend, a
 Policy...) is the caller's check, :func:`check_kind`: the registry knows
 groups, not what lives in them.
 """
@@ -152,7 +152,7 @@ def _as_mapping(config: str | Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def nested_config(value: Any) -> BackendConfig:
-    """Validate a backend config nested in another one (a MultiConnector's children,
+    """Validate a backend config nested in another one (a MultiBackend's children,
     a wrapper's inner backend) through the registry, like a top-level config.
 
     Meant as a pydantic ``BeforeValidator``: the nested backend's problems are

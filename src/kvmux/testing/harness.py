@@ -1,8 +1,8 @@
 """The harness a conformance test drives a backend through.
 
 A backend is given to the suite as one *factory* (``factory(**config_overrides)
--> Connector``): each call builds a fresh, unregistered instance from the same
-config, so the suite can open a second end for P2P backends and reopen the
+-> Backend``, or a Connector over one): each call builds a fresh, unregistered
+instance from the same config, so the suite can open a second end for P2P backends and reopen the
 same storage for persistent ones. The harness turns that factory into
 :class:`Pair` objects, hiding the one difference that matters to a test:
 
@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from kvmux.backend import Backend
 from kvmux.capabilities import Capabilities
 from kvmux.connector import Address, Connector
 from kvmux.errors import TransferTimeout
@@ -35,8 +36,10 @@ from kvmux.handle import Handle, Status, TransferResult
 from kvmux.keys import BlockKey
 from kvmux.testing.kv import DEFAULT_LAYOUT, KVMemory, LayoutCase, assert_blocks_equal, seed_from
 
-ConnectorFactory = Callable[..., Connector]
-"""``factory(**config_overrides) -> Connector``: a fresh instance on the same config.
+ConnectorFactory = Callable[..., Backend | Connector]
+"""``factory(**config_overrides) -> Backend``: a fresh instance on the same config
+(the harness puts a :class:`Connector` in front; a factory may return one itself,
+as ``create_connector`` does).
 
 The only override the suite passes is ``capacity_bytes`` (capacity tests); a
 factory that cannot honour it may raise ``TypeError`` or ``ConfigError`` and
@@ -74,8 +77,10 @@ def summary(result: TransferResult) -> str:
 
 
 def describe(obj: object) -> str:
-    """``TcpConnector``, or for bridges and wrappers what they wrap:
-    ``BufferConnector(PipeLookupBuffer(TcpPipe))``."""
+    """``TcpBackend``, or for bridges and wrappers what they wrap:
+    ``BufferBackend(PipeLookupBuffer(TcpPipe))``; a connector by its backend."""
+    if isinstance(obj, Connector):
+        return describe(obj.backend)
     for attr in ("buffer", "pipe", "inner"):
         inner = getattr(obj, attr, None)
         if inner is not None:
@@ -192,8 +197,9 @@ class Harness:
         return self._build(overrides)
 
     def _build(self, overrides: dict[str, Any]) -> Connector:
-        conn = self.factory(**overrides)
-        assert isinstance(conn, Connector), f"factory returned {conn!r}, not a Connector"
+        made = self.factory(**overrides)
+        conn = Connector(made) if isinstance(made, Backend) else made
+        assert isinstance(conn, Connector), f"factory returned {made!r}, not a Backend"
         return self.track(conn)
 
     def track(self, conn: ConnectorT) -> ConnectorT:

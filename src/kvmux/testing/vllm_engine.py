@@ -271,16 +271,18 @@ def _handle(llm: Any, op: str, cmd: dict[str, Any], sampling: Any, tokens: Any) 
         ranks = llm.collective_rpc(_rank_stats)  # TP > 1: each rank in its own process
         return {"stats": _added(ranks), "ranks": ranks}
     if op == "corrupt_loads":
+        from kvmux.connector import Connector
         from kvmux.testing.faults import CorruptBytes
 
         worker = _worker()
         assert worker is not None, "no kvmux connector in this engine"
         nbytes = cmd.get("nbytes", 256)
-        _replace(
-            worker,
-            ["connector", *cmd.get("path", [])],
-            lambda c: CorruptBytes(c, rate=1.0, nbytes=nbytes),
-        )
+        path = cmd.get("path", [])
+        if path:  # a backend inside the connector's: wrap it where it sits
+            _replace(worker.connector, path, lambda b: CorruptBytes(b, rate=1.0, nbytes=nbytes))
+        else:
+            backend = worker.connector.backend
+            worker.connector = Connector(CorruptBytes(backend, rate=1.0, nbytes=nbytes))
         return {"ok": True}
     if op == "abort_during_load":
         return _abort_during_load(llm, cmd, sampling, tokens)
@@ -309,12 +311,13 @@ def _abort_during_load(llm: Any, cmd: dict[str, Any], sampling: Any, tokens: Any
     for its KV, abort them all (a client gone), then step until the engine has let
     go of everything. Times are wall clock (``time.time()``), comparable across
     processes."""
+    from kvmux.connector import Connector
     from kvmux.testing.faults import Delay
 
     worker = _worker()
     assert worker is not None, "no kvmux connector in this engine"
     real = worker.connector
-    worker.connector = Delay(real, float(cmd["delay_s"]))
+    worker.connector = Connector(Delay(real.backend, float(cmd["delay_s"])))
     try:
         return _abort_loading(llm, cmd, sampling, tokens)
     finally:
@@ -389,8 +392,8 @@ def _reject(llm: Any, params: list[dict[str, Any]], sampling: Any) -> dict[str, 
 
 def _replace(root: Any, path: list[str | int], make: Any) -> None:
     """Swap the object at ``path`` (attribute names and list indices) for ``make(it)``:
-    ``["connector", "children", 0, "connector", "inner"]`` reaches below a multi's
-    first child's checksum, where a damaged transport would sit."""
+    from a connector, ``["backend", "children", 0, "backend", "inner"]`` reaches below
+    a multi's first child's checksum, where a damaged transport would sit."""
     parent = root
     for step in path[:-1]:
         parent = parent[step] if isinstance(step, int) else getattr(parent, step)

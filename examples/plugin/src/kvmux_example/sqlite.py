@@ -4,7 +4,7 @@
 write transaction until the key appears or the timeout passes, so a block is
 handed to exactly one reader even when several processes share the file.
 Tensors are stored as dtype name, shape and raw bytes (never pickled) and
-validated when read back. kvmux wraps this buffer in a ``BufferConnector``
+validated when read back. kvmux wraps this buffer in a ``BufferBackend``
 when a config names ``sqlite``.
 """
 

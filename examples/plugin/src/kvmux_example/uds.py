@@ -2,8 +2,8 @@
 
 Each endpoint listens on its own socket file (``address()`` names it); the
 other endpoint ``connect``s, and from then on both send and receive frames
-(:mod:`kvmux_example.framing`). kvmux turns a pipe into a Connector with
-``PipeLookupBuffer`` + ``BufferConnector`` when a config names ``uds``, so
+(:mod:`kvmux_example.framing`). kvmux turns a pipe into a backend with
+``PipeLookupBuffer`` + ``BufferBackend`` when a config names ``uds``, so
 this file is all a transport author writes.
 """
 

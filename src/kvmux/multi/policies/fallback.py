@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvmux.backend import Address
 from kvmux.capabilities import Capabilities
-from kvmux.connector import Address
 from kvmux.handle import OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.multi.policy import (
@@ -48,35 +48,30 @@ class FallbackPolicy(Policy):
     def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         return composed_lookup(self.children, keys, source)
 
-    def save(
-        self, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    def save(self, keys: list[BlockKey], block_ids: list[int], deadline: float) -> list[Outcome]:
         if self.options.save_to == "all":
             return save_to_all(self.children, keys, block_ids, deadline)
         return self._save_in_turn(keys, block_ids, deadline)
 
     def _save_in_turn(
         self, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         reasons: list[list[str]] = [[] for _ in keys]
         pending = list(range(len(keys)))
-        nbytes = 0
         for child in self.children:
             if not pending:
                 break
             ids = [block_ids[j] for j in pending]
             result = child.save([keys[j] for j in pending], ids, deadline)
-            nbytes += result.nbytes
             for j, outcome in zip(pending, result.outcomes, strict=True):
                 if not outcome.ok:
                     reasons[j].append(outcome.reason or f"{child.label}: failed")
             pending = [j for j, o in zip(pending, result.outcomes, strict=True) if not o.ok]
         lost = set(pending)
         outcomes = [failed("; ".join(why)) if j in lost else OK for j, why in enumerate(reasons)]
-        return outcomes, nbytes
+        return outcomes
 
     def load(
         self, keys: list[BlockKey], block_ids: list[int], source: Address | None, deadline: float
-    ) -> tuple[list[Outcome], int]:
-        delivery = load_in_turn(self.children, keys, block_ids, source, deadline)
-        return delivery.outcomes, delivery.nbytes
+    ) -> list[Outcome]:
+        return load_in_turn(self.children, keys, block_ids, source, deadline).outcomes

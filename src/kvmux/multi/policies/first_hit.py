@@ -7,7 +7,7 @@ elsewhere: the engine recomputes it. Pick ``fallback`` for more.
 
 from __future__ import annotations
 
-from kvmux.connector import Address
+from kvmux.backend import Address
 from kvmux.handle import MISSING, Outcome
 from kvmux.keys import BlockKey
 from kvmux.multi.policy import Policy, save_to_all
@@ -17,16 +17,14 @@ class FirstHitPolicy(Policy):
     def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         return next((n for child in self.children if (n := child.lookup(keys, source))), 0)
 
-    def save(
-        self, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    def save(self, keys: list[BlockKey], block_ids: list[int], deadline: float) -> list[Outcome]:
         return save_to_all(self.children, keys, block_ids, deadline)
 
     def load(
         self, keys: list[BlockKey], block_ids: list[int], source: Address | None, deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         for child in self.children:
             if child.lookup(keys, source) > 0:
                 result = child.load(keys, block_ids, source, deadline)
-                return list(result.outcomes), result.nbytes
-        return [MISSING] * len(keys), 0
+                return list(result.outcomes)
+        return [MISSING] * len(keys)

@@ -35,8 +35,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvmux.backend import Address
 from kvmux.capabilities import Capabilities
-from kvmux.connector import Address
 from kvmux.errors import CapacityError
 from kvmux.handle import OK, Outcome, Status, failed
 from kvmux.keys import BlockKey
@@ -110,7 +110,6 @@ class TieredPolicy(Policy):
         self._lock = threading.RLock()
         self._tiers: list[EvictionPolicy] = []
         self._staging: Staging | None = None
-        self._block_nbytes = 0
 
     @classmethod
     def check(cls, options: PolicyOptions, children: Sequence[ChildSpec]) -> list[Problem]:
@@ -174,7 +173,6 @@ class TieredPolicy(Policy):
             register_child(child, layout, caches)
         with self._lock:
             self._tiers, self._staging = tiers, staging
-            self._block_nbytes = layout.block_nbytes
 
     @property
     def _chunk(self) -> int:
@@ -189,9 +187,7 @@ class TieredPolicy(Policy):
 
     # --------------------------------------------------------------------- save
 
-    def save(
-        self, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    def save(self, keys: list[BlockKey], block_ids: list[int], deadline: float) -> list[Outcome]:
         with self._lock:
             staging = self._staging
             if staging is None:
@@ -205,7 +201,7 @@ class TieredPolicy(Policy):
                             outcomes += self._place(0, keys[part], lease.ids, deadline)
                     except TimeoutError as exc:
                         outcomes += [failed(str(exc))] * len(keys[part])
-        return outcomes, sum(o.ok for o in outcomes) * self._block_nbytes
+        return outcomes
 
     def _place(
         self, t: int, keys: list[BlockKey], slots: list[int], deadline: float
@@ -302,26 +298,24 @@ class TieredPolicy(Policy):
 
     def load(
         self, keys: list[BlockKey], block_ids: list[int], source: Address | None, deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         with self._lock:
             staging = self._staging
             if staging is None:
                 return self._load_into(keys, block_ids, source, deadline)
             outcomes: list[Outcome] = []
-            nbytes = 0
             for part in _slices(len(keys), self._chunk):
                 try:
                     with staging.lease(len(keys[part]), deadline) as lease:
-                        got, moved = self._load_into(
+                        got = self._load_into(
                             keys[part], lease.ids, source, deadline, lease.hold_until
                         )
                         ok = [j for j, o in enumerate(got) if o.status is Status.OK]
                         staging.drain([lease.ids[j] for j in ok], [block_ids[part][j] for j in ok])
                 except TimeoutError as exc:
-                    got, moved = [failed(str(exc))] * len(keys[part]), 0
+                    got = [failed(str(exc))] * len(keys[part])
                 outcomes += got
-                nbytes += moved
-            return outcomes, nbytes
+            return outcomes
 
     def _load_into(
         self,
@@ -330,7 +324,7 @@ class TieredPolicy(Policy):
         source: Address | None,
         deadline: float,
         on_late: LateHook | None = None,
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         """Load ``keys`` into the children's blocks ``ids`` tier by tier, then promote
         what came from below the top (its bytes are in ``ids`` now)."""
         delivery = load_in_turn(self.children, keys, ids, source, deadline, on_late)
@@ -345,7 +339,7 @@ class TieredPolicy(Policy):
                 found_in[t].append(j)
         for t, found in sorted(found_in.items()):
             self._promote(t, [keys[j] for j in found], [ids[j] for j in found], deadline)
-        return delivery.outcomes, delivery.nbytes
+        return delivery.outcomes
 
     def _promote(self, t: int, keys: list[BlockKey], ids: list[int], deadline: float) -> None:
         """Copy blocks tier ``t`` delivered into the top tier (write-back, which

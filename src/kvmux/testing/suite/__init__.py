@@ -14,7 +14,7 @@ Two ways to run it:
       class TestMine(ConnectorSuite):
           @pytest.fixture
           def connector_factory(self, tmp_path):
-              return lambda **overrides: MyConnector(MyConfig(path=tmp_path, **overrides))
+              return lambda **overrides: MyBackend(MyConfig(path=tmp_path, **overrides))
 
   The factory builds a fresh instance on the same config at each call; the
   suite calls it several times per test (a P2P consumer, a reopened store).

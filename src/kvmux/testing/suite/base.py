@@ -21,8 +21,9 @@ from kvmux.testing.requirements import unmet
 class SuiteBase:
     @pytest.fixture
     def connector_factory(self, kvmux_connector_factory: ConnectorFactory) -> ConnectorFactory:
-        """``factory(**config_overrides) -> Connector``, each call a fresh instance on the
-        same config. Override this fixture to check a backend without the registry."""
+        """``factory(**config_overrides) -> Backend`` (or Connector), each call a
+        fresh instance on the same config. Override this fixture to check a backend
+        without the registry."""
         return kvmux_connector_factory
 
     @pytest.fixture

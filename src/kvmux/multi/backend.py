@@ -1,6 +1,6 @@
-"""``multi``: one Connector made of several, with a pluggable policy.
+"""``multi``: one backend made of several, with a pluggable policy.
 
-The MultiConnector owns its children and everything that does not depend
+The MultiBackend owns its children and everything that does not depend
 on the policy: building them from the config, checking at ``register``
 that each can hold the engine's KV memory (naming the child that cannot),
 isolating every child call (:class:`~kvmux.multi.child.Child`: exceptions
@@ -18,46 +18,46 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-import torch
-
-from kvmux.connector import Address, Connector, Health
+from kvmux.backend import Address, Backend, Health
+from kvmux.blocks import BlockCopier
 from kvmux.errors import ConfigError, KvmuxError, LayoutError
-from kvmux.handle import Handle
+from kvmux.handle import Outcome
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.multi.child import Child
 from kvmux.multi.config import MultiConfig
 from kvmux.multi.policy import ChildSpec
-from kvmux.registry.factory import create_connector
+from kvmux.registry.factory import create_backend
 from kvmux.registry.loader import parse_config
+from kvmux.runner import Runner
 
 
-class MultiConnector(Connector):
+class MultiBackend(Backend):
     """Children composed by a policy. Its capabilities are what the composition promises."""
 
     config_model = MultiConfig
     config: MultiConfig
-    max_workers = 8
+    workers = 8
     """Transfers mostly wait on children; several may be in flight at once."""
     lane_width = 8
     """Loads from one ``source`` share a lane of their own: a hung peer below a child
     never holds up the local loads of the shared lane."""
 
-    def __init__(self, config: MultiConfig, children: Sequence[Connector] | None = None) -> None:
+    def __init__(self, config: MultiConfig, children: Sequence[Backend] | None = None) -> None:
         """Build the children from ``config``, or adopt ``children`` (already built, in
-        config order: fault wrappers in tests, or connectors shared with other code)."""
+        config order: fault wrappers in tests, or backends shared with other code)."""
         super().__init__(config)
         policy, options = config.policy_type(), config.policy_options()
-        connectors = list(children) if children is not None else _build(config)
-        self.children = [Child(i, c, config.breaker) for i, c in enumerate(connectors)]
+        backends = list(children) if children is not None else _build(config)
+        self.children = [Child(i, b, config.breaker) for i, b in enumerate(backends)]
         problems = policy.check(options, [ChildSpec.built(child) for child in self.children])
         if problems:
             if children is None:  # ours to close; adopted ones stay their owner's
-                for connector in connectors:
-                    connector.close()
+                for child in self.children:
+                    child.close()
             raise ConfigError(
                 config.backend,
                 [(".".join(str(p) for p in where), what, None) for where, what in problems],
@@ -66,16 +66,15 @@ class MultiConnector(Connector):
         self.capabilities = self.policy.capabilities()
 
     @classmethod
-    def of(cls, policy: str, children: Sequence[Connector], **options: Any) -> MultiConnector:
-        """A multi over live connectors: ``MultiConnector.of("fallback", [a, b])``."""
+    def of(cls, policy: str, children: Sequence[Backend], **options: Any) -> MultiBackend:
+        """A multi over live backends: ``MultiBackend.of("fallback", [a, b])``."""
         data = {"backend": "multi", "policy": policy, "children": [c.config for c in children]}
         _, _, config = parse_config({**data, **options})
         assert isinstance(config, MultiConfig)
         return cls(config, children)
 
-    def register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def check_layout(self, layout: KVLayout) -> None:
         """Refuse, naming the child, KV memory one of the children cannot hold."""
-        self._check_open()
         for child in self.children:
             caps = child.capabilities
             if layout.device not in caps.memory_kinds:
@@ -89,58 +88,56 @@ class MultiConnector(Connector):
                     f"{child.label} holds blocks of at most {limit} bytes; "
                     f"this layout's are {layout.block_nbytes}"
                 )
-        super().register(layout, caches)
+        super().check_layout(layout)
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
-        self.policy.register(layout, caches)
+    def register(self, blocks: BlockCopier) -> None:
+        self.policy.register(blocks.layout, blocks.caches)
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         return self.policy.lookup(keys, source)
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        deadline = time.monotonic() + self.config.timeout_s
-        return self._run(
-            keys, lambda: self.policy.save(keys, block_ids, deadline), deadline=deadline
-        )
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        return self.policy.save(keys, block_ids, time.monotonic() + self.config.timeout_s)
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        deadline = time.monotonic() + self.config.timeout_s
-        return self._run(
-            keys,
-            lambda: self.policy.load(keys, block_ids, source, deadline),
-            deadline=deadline,
-            lane=None if source is None else json.dumps(source, sort_keys=True, default=str),
-        )
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
+        return self.policy.load(keys, block_ids, source, deadline)
 
-    def _release(self, keys: list[BlockKey]) -> None:
+    def lane(self, source: Address | None) -> Hashable:
+        return None if source is None else json.dumps(source, sort_keys=True, default=str)
+
+    def release(self, keys: list[BlockKey]) -> None:
         self.policy.release(keys)
 
-    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+    def publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
         for child in self.children:  # each holds what it has of them
             child.publish(keys, lease, lease_s)
 
-    def _renew(self, leases: list[str], source: Address | None) -> None:
+    def renew(self, leases: list[str], source: Address | None) -> None:
         for child in self.children:
             child.renew(leases, source)
 
-    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+    def unpublish(self, leases: list[str], source: Address | None) -> None:
         for child in self.children:
             child.unpublish(leases, source)
 
     def address(self) -> dict[str, Any] | None:
         """``{"children": [address or None, ...]}`` when a child is reachable by peers;
         a load with this as ``source`` gives each child its own part."""
-        parts = [child.connector.address() for child in self.children]
+        parts = [child.backend.address() for child in self.children]
         return {"children": parts} if any(p is not None for p in parts) else None
 
     def health(self) -> Health:
         """Healthy while one child is: the policy routes around the others."""
-        if self._closed:
-            return Health(False, "closed")
         sick = []
         for child in self.children:
             try:
-                health = child.connector.health()
+                health = child.health()
             except Exception as exc:
                 health = Health(False, f"health() raised {type(exc).__name__}: {exc}")
             if not health.healthy:
@@ -149,27 +146,26 @@ class MultiConnector(Connector):
         return Health(len(sick) < len(self.children), detail)
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
-        out.update(self.policy.stats())
+        out = self.policy.stats()
         for child in self.children:
             out.update(child.stats())
         return out
 
-    def _close(self) -> None:
+    def close(self) -> None:
         for child in self.children:
             child.close()
 
 
-def _build(config: MultiConfig) -> list[Connector]:
+def _build(config: MultiConfig) -> list[Backend]:
     """The children, built through the registry; on a failure the ones already
     built are closed and the error names the child."""
-    built: list[Connector] = []
+    built: list[Backend] = []
     for i, child in enumerate(config.children):
         try:
-            built.append(create_connector(child))
+            built.append(create_backend(child))
         except KvmuxError as exc:
             for done in built:
-                done.close()
+                Runner(done).close()
             if isinstance(exc, ConfigError):
                 problems = [(f"children.{i}.{p}".rstrip("."), m, v) for p, m, v in exc.problems]
                 raise ConfigError(config.backend, problems) from exc
