@@ -36,10 +36,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.addressing import BlockAddressing
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
 from kvmux.layout import KVLayout
@@ -86,8 +86,7 @@ class MooncakeConnector(PinnedPoolConnector):
 
     def __init__(self, config: MooncakeConfig) -> None:
         self._pool_base = 0
-        self._pieces: list[tuple[int, int, int]] = []
-        """Per piece of a serialized block: (address of piece 0, stride, length)."""
+        self._addressing: BlockAddressing | None = None
         # The engine exists before the server answers its first request.
         te_host = config.te_host or advertised_host(config.host, config.advertise)
         self._engine = MooncakeEngine(
@@ -108,41 +107,12 @@ class MooncakeConnector(PinnedPoolConnector):
         return pool
 
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
-        tensors = [caches[spec.name] for spec in layout.layers]
-        if not all(t.is_contiguous() for t in tensors):
+        addressing = BlockAddressing.of(layout, caches)
+        if addressing is None:
             raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
         super()._register(layout, caches)
-        self._engine.register(tensors)
-        pieces = []
-        for spec, tensor in zip(layout.layers, tensors, strict=True):
-            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
-            seg = spec.block_nbytes // outer
-            for j in range(outer):
-                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg))
-        self._pieces = pieces
-
-    def _runs(self, blocks: Rows, rows: Rows, base: int) -> tuple[list[int], list[int], list[int]]:
-        """(local, remote, length) of one batch READ: every piece of every block, runs
-        contiguous on both sides merged into one range (fewer TE requests)."""
-        b = np.asarray(blocks, dtype=np.uint64)
-        r = np.asarray(rows, dtype=np.uint64)
-        row_nbytes = np.uint64(self.copier.block_nbytes)
-        local, remote, lengths = [], [], []
-        offset = 0
-        # Block-major order: a block's pieces are adjacent in the pool row.
-        for start, stride, length in self._pieces:
-            local.append(np.uint64(start) + b * np.uint64(stride))
-            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
-            lengths.append(np.full(len(b), length, dtype=np.uint64))
-            offset += length
-        lo = np.stack(local, axis=1).reshape(-1)
-        re_ = np.stack(remote, axis=1).reshape(-1)
-        ln = np.stack(lengths, axis=1).reshape(-1)
-        starts = np.ones(len(lo), dtype=bool)
-        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
-        first = np.flatnonzero(starts)
-        run_len = np.add.reduceat(ln, first)
-        return lo[first].tolist(), re_[first].tolist(), run_len.tolist()
+        self._engine.register([caches[spec.name] for spec in layout.layers])
+        self._addressing = addressing
 
     # ---------------------------------------------------------------- producer
 
@@ -161,12 +131,14 @@ class MooncakeConnector(PinnedPoolConnector):
 
     def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, MooncakeLocateReply)
-        local, remote, lengths = self._runs(blocks, rows, reply.base)
+        assert self._addressing is not None
+        # Coalesced ranges (:meth:`BlockAddressing.runs`): fewer TE requests.
+        runs = self._addressing.runs(blocks, rows, reply.base)
         self._engine.read(
             f"{link.endpoint[0]}:{reply.te_port}",
-            local,
-            remote,
-            lengths,
+            runs.local.tolist(),
+            runs.remote.tolist(),
+            runs.nbytes.tolist(),
             timeout_s=until - time.monotonic(),
         )
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.addressing import BlockAddressing
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
 from kvmux.layout import KVLayout
@@ -84,8 +85,7 @@ class NixlConnector(PinnedPoolConnector):
 
     def __init__(self, config: NixlConfig) -> None:
         self._pool_base = 0
-        self._pieces: list[tuple[int, int, int, int]] = []
-        """Per piece of a serialized block: (address of piece 0, stride, length, device)."""
+        self._addressing: BlockAddressing | None = None
         self._local_mem = "DRAM"
         self._leases: dict[int, tuple[int, float, Session]] = {}
         """token -> (slot lease, expiry, session): the pins peers hold, by the random
@@ -118,46 +118,24 @@ class NixlConnector(PinnedPoolConnector):
         return pool
 
     def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
-        tensors = [caches[spec.name] for spec in layout.layers]
-        if not all(t.is_contiguous() for t in tensors):
+        addressing = BlockAddressing.of(layout, caches)
+        if addressing is None:
             raise LayoutError("nixl needs contiguous KV tensors (it reads into them directly)")
         super()._register(layout, caches)
+        tensors = [caches[spec.name] for spec in layout.layers]
         self._agent.register(tensors)
         self._local_mem = mem_type(tensors[0].device)
         self._metadata = base64.b64encode(self._agent.metadata()).decode("ascii")
-        pieces = []
-        for spec, tensor in zip(layout.layers, tensors, strict=True):
-            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
-            seg = spec.block_nbytes // outer
-            device = max(tensor.get_device(), 0)
-            for j in range(outer):
-                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg, device))
-        self._pieces = pieces
+        self._addressing = addressing
 
     def _descs(self, blocks: Rows, rows: Rows, base: int) -> tuple[Descs, Descs]:
         """Local and remote descriptor lists of one READ: every piece of every block,
-        runs contiguous on both sides merged into one descriptor."""
-        b = np.asarray(blocks, dtype=np.uint64)
-        r = np.asarray(rows, dtype=np.uint64)
-        row_nbytes = np.uint64(self.copier.block_nbytes)
-        local, remote, lengths, devices = [], [], [], []
-        offset = 0
-        for start, stride, length, device in self._pieces:
-            local.append(np.uint64(start) + b * np.uint64(stride))
-            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
-            lengths.append(np.full(len(b), length, dtype=np.uint64))
-            devices.append(np.full(len(b), device, dtype=np.uint64))
-            offset += length
-        lo, re_, ln = np.concatenate(local), np.concatenate(remote), np.concatenate(lengths)
-        dev = np.concatenate(devices)
-        # A new run starts wherever either side stops being contiguous.
-        starts = np.ones(len(lo), dtype=bool)
-        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
-        first = np.flatnonzero(starts)
-        run_len = np.add.reduceat(ln, first)
-        loc = np.stack([lo[first], run_len, dev[first]], axis=1)
-        rem = np.stack([re_[first], run_len, np.zeros_like(run_len)], axis=1)
-        return loc, rem
+        coalesced (:meth:`BlockAddressing.runs`)."""
+        assert self._addressing is not None
+        runs = self._addressing.runs(blocks, rows, base)
+        local = np.stack([runs.local, runs.nbytes, runs.device], axis=1)
+        remote = np.stack([runs.remote, runs.nbytes, np.zeros_like(runs.nbytes)], axis=1)
+        return local, remote
 
     # ---------------------------------------------------------------- producer
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from kvmux.addressing import row_runs
 from kvmux.errors import CapacityError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
@@ -188,15 +189,10 @@ class TcpConnector(ServedPoolConnector):
 
 def _rows(pool: memoryview, slots: list[int], nbytes: int) -> list[memoryview]:
     """Views of the pool rows ``slots``, consecutive slots merged into one view."""
-    views: list[memoryview] = []
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        views.append(pool[slots[i] * nbytes : (slots[j - 1] + 1) * nbytes])
-        i = j
-    return views
+    return [
+        pool[first * nbytes : (first + count) * nbytes]
+        for first, _, count in row_runs(slots, len(slots))
+    ]
 
 
 def _outcomes(found: bytes, arrived: int, reason: str) -> list[Outcome]:
