@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from kvmux.errors import TransferTimeout
-from kvmux.handle import MISSING, OK, Handle, Status
+from kvmux.handle import MISSING, OK, Handle, Outcome, Status
 
 from support import keys
 
@@ -15,10 +15,10 @@ from support import keys
 def test_exception_in_work_becomes_failed_outcome_per_key() -> None:
     ks = keys(3)
 
-    def work() -> tuple[list[object], int]:
+    def work() -> list[Outcome]:
         raise OSError("disk on fire")
 
-    handle = Handle.from_call(ks, _inline, work)
+    handle = Handle.from_call(ks, _inline, work, block_nbytes=1)
     result = handle.result()
     assert [o.status for o in result.outcomes] == [Status.FAILED] * 3
     assert all("disk on fire" in (o.reason or "") for o in result.outcomes)
@@ -26,7 +26,7 @@ def test_exception_in_work_becomes_failed_outcome_per_key() -> None:
 
 def test_wrong_number_of_outcomes_is_reported_as_failure() -> None:
     ks = keys(3)
-    handle = Handle.from_call(ks, _inline, lambda: ([OK], 0))
+    handle = Handle.from_call(ks, _inline, lambda: [OK], block_nbytes=1)
     assert not handle.result().ok
     assert handle.result().by_status(Status.FAILED) == ks
 
@@ -36,7 +36,9 @@ def test_result_timeout_raises_and_poll_does_not_block() -> None:
 
     gate = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        handle = Handle.from_call(keys(1), pool.submit, lambda: (gate.wait(5), ([OK], 1))[1])
+        handle = Handle.from_call(
+            keys(1), pool.submit, lambda: (gate.wait(5), [OK])[1], block_nbytes=1
+        )
         assert handle.poll() is False
         assert handle.wait(0.05) is False
         with pytest.raises(TransferTimeout):
@@ -82,14 +84,14 @@ def test_cancel_drops_a_queued_transfer_but_not_a_running_one() -> None:
     lanes = Lanes("test-cancel")
     release, ran = threading.Event(), []
 
-    def work(i: int) -> tuple[list[object], int]:
+    def work(i: int) -> list[Outcome]:
         ran.append(i)
         release.wait(5)
-        return [OK], 0
+        return [OK]
 
     try:
-        first = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(0))
-        queued = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(1))
+        first = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(0), 1)
+        queued = Handle.from_call(keys(1), lambda fn: lanes.submit("p", fn, 1), lambda: work(1), 1)
         while not ran:
             release.wait(0.001)
         assert queued.cancel() and not first.cancel()

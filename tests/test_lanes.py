@@ -104,14 +104,14 @@ def test_a_load_queued_past_its_deadline_fails_at_once_not_late(
             conn.register(layout, caches)
             source = {"host": "127.0.0.1", "port": port}
             started = time.monotonic()
-            handles = [conn.load(keys(1), [i], source) for i in range(3 * conn.lane_width)]
+            handles = [conn.load(keys(1), [i], source) for i in range(3 * conn.backend.lane_width)]
             results = [h.result(timeout=5) for h in handles]
             took = time.monotonic() - started
         finally:
             conn.close()
     assert took < 1.0 + 1.5, f"{len(handles)} loads took {took:.2f} s with timeout_s=1"
     assert {o.status for r in results for o in r.outcomes} == {Status.FAILED}
-    queued = [r.outcomes[0].reason or "" for r in results[conn.lane_width :]]
+    queued = [r.outcomes[0].reason or "" for r in results[conn.backend.lane_width :]]
     assert all("passed while queued" in reason for reason in queued), queued[:2]
 
 

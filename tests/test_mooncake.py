@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("mooncake")
 
-from kvmux.backends.mooncake import MooncakeConnector
+from kvmux.backends.mooncake import MooncakeBackend
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
 from kvmux.errors import ClosedError, TransferError
 from kvmux.keys import chain_keys
@@ -135,8 +135,8 @@ def test_a_read_larger_than_the_te_queue_is_split(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """More ranges than TE queues per peer would fail and break the engine: split them."""
-    conn = consumer.connector
-    assert isinstance(conn, MooncakeConnector)
+    conn = consumer.connector.backend
+    assert isinstance(conn, MooncakeBackend)
     calls: list[int] = []
     real = conn._engine._engine.batch_transfer_sync_read
 
@@ -162,8 +162,8 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
     (SIGSTOP) just as the READ starts; the survivor then serves from another peer."""
     big = 1024
     consumer = open_consumer(num_blocks=big)
-    conn = consumer.connector
-    assert isinstance(conn, MooncakeConnector)
+    conn = consumer.connector.backend
+    assert isinstance(conn, MooncakeBackend)
     try:
         with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
             real_read = conn._engine.read
@@ -187,7 +187,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
         again = consumer.load(producer.keys, list(range(N)), producer.address)
         assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
     finally:
-        conn.close()
+        consumer.connector.close()
 
 
 def test_pins_end_after_a_load() -> None:

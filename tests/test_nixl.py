@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from kvmux.backends.nixl import NixlConnector
+from kvmux.backends.nixl import NixlBackend
 from kvmux.keys import chain_keys
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
@@ -125,8 +125,8 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
     (SIGSTOP: alive, never progresses) just as the READ starts."""
     big = 1024
     consumer = open_consumer(num_blocks=big)
-    conn = consumer.connector
-    assert isinstance(conn, NixlConnector)
+    conn = consumer.connector.backend
+    assert isinstance(conn, NixlBackend)
     try:
         with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
             real_read = conn._agent.read
@@ -151,7 +151,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
         again = consumer.load(producer.keys, list(range(N)), producer.address)
         assert again.ok and torch.equal(consumer.blocks(range(N)), expected)
     finally:
-        conn.close()
+        consumer.connector.close()
 
 
 def test_a_producer_ends_a_vanished_consumers_pins_and_serves_the_next(

@@ -40,6 +40,8 @@ class BlockCopier:
     def __init__(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
         layout.check_caches(caches)
         self.layout = layout
+        self.caches = caches
+        """The engine's KV tensors, for backends that map or register them."""
         self.block_nbytes = layout.block_nbytes
         # (uint8 view of the layer, its block dim, byte offset in a row, bytes per block)
         self._layers: list[tuple[torch.Tensor, int, int, int]] = []

@@ -88,20 +88,23 @@ class Handle:
         cls,
         keys: Sequence[BlockKey],
         submit: Callable[[Callable[[], TransferResult]], Future[TransferResult]],
-        work: Callable[[], tuple[Sequence[Outcome], int]],
+        work: Callable[[], Sequence[Outcome]],
+        block_nbytes: int,
     ) -> Handle:
         """Run ``work`` through ``submit`` (an executor's); any exception it raises
-        becomes a ``failed`` outcome on every key instead of escaping."""
+        becomes a ``failed`` outcome on every key instead of escaping. The bytes
+        moved are the ``ok`` keys' blocks of ``block_nbytes``."""
         keys = tuple(keys)
 
         def run() -> TransferResult:
             start = time.perf_counter()
             try:
-                outcomes, nbytes = work()
+                outcomes = work()
             except Exception as exc:
-                outcomes, nbytes = [failed(f"{type(exc).__name__}: {exc}")] * len(keys), 0
+                outcomes = [failed(f"{type(exc).__name__}: {exc}")] * len(keys)
             if len(outcomes) != len(keys):
                 outcomes = [failed("backend returned a wrong number of outcomes")] * len(keys)
+            nbytes = outcomes.count(OK) * block_nbytes
             return TransferResult(keys, tuple(outcomes), nbytes, time.perf_counter() - start)
 
         return cls(keys, submit(run))

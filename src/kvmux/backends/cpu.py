@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 
 import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.backend import Address, Backend
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.connector import Address, Connector
 from kvmux.errors import CapacityError
-from kvmux.handle import MISSING, OK, Handle, Outcome, failed
+from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
-from kvmux.layout import KVLayout
 from kvmux.publications import Publications
 from kvmux.slots import PinnedSlots
 
@@ -35,12 +34,13 @@ class CpuPoolConfig(BackendConfig):
     )
 
 
-class CpuPoolConnector(Connector):
-    """Host-memory offload pool. Saves and loads complete in the caller's thread:
-    they are memory copies, cheaper than handing them to a worker."""
+class CpuPoolBackend(Backend):
+    """Host-memory offload pool. Saves and loads complete in the caller's thread
+    (``inline``): they are memory copies, cheaper than handing them to a worker."""
 
     config_model = CpuPoolConfig
     capabilities = Capabilities(capacity_bound=True)
+    inline = True
     config: CpuPoolConfig
 
     def __init__(self, config: CpuPoolConfig) -> None:
@@ -55,7 +55,8 @@ class CpuPoolConnector(Connector):
         write, so an idle pool costs no memory and creating one costs no time."""
         return torch.empty((slots, block_nbytes), dtype=torch.uint8)
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout = blocks.layout
         slots = self.config.capacity_bytes // layout.block_nbytes
         if slots == 0:
             raise CapacityError(
@@ -68,14 +69,11 @@ class CpuPoolConnector(Connector):
             self._slots = PinnedSlots(slots)
             self._publications.clear()
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         with self._lock:
             return self._slots.prefix(keys)
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        return self._run_now(keys, lambda: self._save_batch(keys, block_ids))
-
-    def _save_batch(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
         pool = self._pool
         assert pool is not None
         outcomes: list[Outcome] = [OK] * len(keys)
@@ -99,7 +97,7 @@ class CpuPoolConnector(Connector):
             error = failed("every pool slot is pinned (peers reading, or published blocks)")
             for i in unplaced:
                 outcomes[i] = error
-        return outcomes, (len(outcomes) - len(unplaced)) * self.copier.block_nbytes
+        return outcomes
 
     def _place_and_copy(
         self, pool: torch.Tensor, keys: list[BlockKey], block_ids: list[int]
@@ -120,10 +118,16 @@ class CpuPoolConnector(Connector):
             done += len(rows)
         return done
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        return self._run_now(keys, lambda: self._load_local(keys, block_ids))
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
+        return self._load_local(keys, block_ids)
 
-    def _load_local(self, keys: list[BlockKey], block_ids: list[int]) -> tuple[list[Outcome], int]:
+    def _load_local(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
         pool = self._pool
         assert pool is not None
         with self._lock:
@@ -132,29 +136,28 @@ class CpuPoolConnector(Connector):
             blocks = np.asarray(block_ids, dtype=np.int64)[hit]
             self.copier.copy_in(blocks, pool, rows[hit])
         if len(blocks) == len(keys):
-            return [OK] * len(keys), len(blocks) * self.copier.block_nbytes
-        outcomes = [OK if h else MISSING for h in hit.tolist()]
-        return outcomes, len(blocks) * self.copier.block_nbytes
+            return [OK] * len(keys)
+        return [OK if h else MISSING for h in hit.tolist()]
 
-    def _release(self, keys: list[BlockKey]) -> None:
+    def release(self, keys: list[BlockKey]) -> None:
         with self._lock:
             for key in keys:
                 self._slots.release(key)
 
     # ------------------------------------------------------------ publications
 
-    def _publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+    def publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
         with self._lock:
             now = time.monotonic()
             self._publications.reap(self._slots, now)
             rows = self._slots.find_many(keys)
             self._publications.publish(self._slots, lease, rows[rows >= 0], lease_s, now)
 
-    def _renew(self, leases: list[str], source: Address | None) -> None:
+    def renew(self, leases: list[str], source: Address | None) -> None:
         if source is None:
             self._renew_here(leases)
 
-    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+    def unpublish(self, leases: list[str], source: Address | None) -> None:
         if source is None:
             self._release_here(leases)
 
@@ -173,19 +176,17 @@ class CpuPoolConnector(Connector):
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
         with self._lock:
             self._publications.reap(self._slots, time.monotonic())
-            out.update(
-                blocks_stored=len(self._slots),
-                capacity_blocks=self._slots.slots,
-                evictions=self._slots.evictions,
-                pinned_blocks=self._slots.pinned,
+            return {
+                "blocks_stored": len(self._slots),
+                "capacity_blocks": self._slots.slots,
+                "evictions": self._slots.evictions,
+                "pinned_blocks": self._slots.pinned,
                 **self._publications.counts(),
-            )
-        return out
+            }
 
-    def _close(self) -> None:
+    def close(self) -> None:
         with self._lock:
             self._pool = None
             self._slots = PinnedSlots(0)

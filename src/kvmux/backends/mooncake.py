@@ -33,21 +33,20 @@ its own, and every read's addresses come from the new producer's reply.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from kvmux.addressing import BlockAddressing
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
-from kvmux.layout import KVLayout
 from kvmux.net.advertise import advertised_host
 from kvmux.net.client import Link
 from kvmux.net.messages import MooncakeLocateReply
 from kvmux.net.mooncake_engine import MooncakeEngine
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
+from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
 
 
 class MooncakeConfig(PinnedPoolConfig):
@@ -75,7 +74,7 @@ class MooncakeConfig(PinnedPoolConfig):
     )
 
 
-class MooncakeConnector(PinnedPoolConnector):
+class MooncakeBackend(PinnedPoolBackend):
     """Pool registered with TE + control server + one-batch READ puller."""
 
     config_model = MooncakeConfig
@@ -106,11 +105,12 @@ class MooncakeConnector(PinnedPoolConnector):
         self._pool_base = pool.data_ptr()
         return pool
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout, caches = blocks.layout, blocks.caches
         addressing = BlockAddressing.of(layout, caches)
         if addressing is None:
             raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
-        super()._register(layout, caches)
+        super().register(blocks)
         self._engine.register([caches[spec.name] for spec in layout.layers])
         self._addressing = addressing
 
@@ -153,6 +153,6 @@ class MooncakeConnector(PinnedPoolConnector):
     def address(self) -> dict[str, Any]:
         return {**super().address(), "te_port": self._engine.port}
 
-    def _close(self) -> None:
-        super()._close()
+    def close(self) -> None:
+        super().close()
         self._engine.close()

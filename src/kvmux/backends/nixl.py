@@ -28,7 +28,6 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -36,13 +35,13 @@ import torch
 from pydantic import Field
 
 from kvmux.addressing import BlockAddressing
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
-from kvmux.layout import KVLayout
 from kvmux.net.client import Link
 from kvmux.net.messages import NixlLocateReply, Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
+from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
 from kvmux.net.server import Session
 
 _UNPIN = re.compile(rb"^kvmux-unpin:([0-9]{1,19})$")
@@ -71,7 +70,7 @@ class NixlConfig(PinnedPoolConfig):
     )
 
 
-class NixlConnector(PinnedPoolConnector):
+class NixlBackend(PinnedPoolBackend):
     """Pool registered with NIXL + control server + zero-copy READ puller."""
 
     config_model = NixlConfig
@@ -117,11 +116,12 @@ class NixlConnector(PinnedPoolConnector):
         self._pool_base = pool.data_ptr()
         return pool
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout, caches = blocks.layout, blocks.caches
         addressing = BlockAddressing.of(layout, caches)
         if addressing is None:
             raise LayoutError("nixl needs contiguous KV tensors (it reads into them directly)")
-        super()._register(layout, caches)
+        super().register(blocks)
         tensors = [caches[spec.name] for spec in layout.layers]
         self._agent.register(tensors)
         self._local_mem = mem_type(tensors[0].device)
@@ -253,8 +253,8 @@ class NixlConnector(PinnedPoolConnector):
     def address(self) -> dict[str, Any]:
         return {**super().address(), "agent": self._agent.name}
 
-    def _close(self) -> None:
-        super()._close()
+    def close(self) -> None:
+        super().close()
         with self._peers_lock:
             self._peers.clear()
         self._agent.close()

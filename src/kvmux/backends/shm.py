@@ -28,7 +28,7 @@ from pydantic import Field
 from kvmux.errors import TransferError
 from kvmux.net.client import Link
 from kvmux.net.messages import LocateReply
-from kvmux.net.pinned_pool import PinnedPoolConfig, PinnedPoolConnector, PinReply, Rows
+from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
 from kvmux.net.served_pool import PeerAddress
 
@@ -43,7 +43,7 @@ class ShmConfig(PinnedPoolConfig):
     )
 
 
-class ShmConnector(PinnedPoolConnector):
+class ShmBackend(PinnedPoolBackend):
     """Pool in a shared segment + control server + same-host puller."""
 
     config_model = ShmConfig
@@ -124,8 +124,8 @@ class ShmConnector(PinnedPoolConnector):
         with self._mapped_lock:
             self._mapped.pop(endpoint, None)
 
-    def _close(self) -> None:
-        super()._close()
+    def close(self) -> None:
+        super().close()
         with self._mapped_lock:
             self._mapped.clear()
         if self._segment is not None:

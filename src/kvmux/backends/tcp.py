@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import torch
 
 from kvmux.addressing import row_runs
+from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
-from kvmux.layout import KVLayout
 from kvmux.net.client import Link
 from kvmux.net.kv_views import KVViews
 from kvmux.net.memory import byte_view
 from kvmux.net.messages import HEADER_SLACK, Blocks, FetchReply, FetchRequest, Message, expect
-from kvmux.net.served_pool import PullInterrupted, ServedPoolConfig, ServedPoolConnector
+from kvmux.net.served_pool import PullInterrupted, ServedPoolBackend, ServedPoolConfig
 from kvmux.net.server import Handler, Session
 
 _STAGING_BYTES = 4 * 2**20
@@ -38,7 +38,7 @@ class TcpConfig(ServedPoolConfig):
     backend: str = "tcp"
 
 
-class TcpConnector(ServedPoolConnector):
+class TcpBackend(ServedPoolBackend):
     """Pool + server + puller over TCP. See the module docstring."""
 
     config_model = TcpConfig
@@ -51,14 +51,15 @@ class TcpConnector(ServedPoolConnector):
         self._kv: KVViews | None = None
         self._staging = threading.local()
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
+    def register(self, blocks: BlockCopier) -> None:
+        layout = blocks.layout
         if layout.block_nbytes + HEADER_SLACK > self.config.max_frame_bytes:
             raise CapacityError(
                 f"a block of {layout.block_nbytes} bytes does not fit in one frame of "
                 f"max_frame_bytes={self.config.max_frame_bytes}"
             )
-        super()._register(layout, caches)
-        self._kv = KVViews.of(layout, caches)
+        super().register(blocks)
+        self._kv = KVViews.of(layout, blocks.caches)
 
     def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         # zeros, not empty: the pages are committed now (the bound is real memory)
@@ -104,7 +105,7 @@ class TcpConnector(ServedPoolConnector):
 
     def _pull(
         self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         chan = link.channel
         chan.send(FetchRequest.of(keys), deadline=deadline)
         reply = expect(chan.recv(deadline), FetchReply)
@@ -122,7 +123,7 @@ class TcpConnector(ServedPoolConnector):
         except TransferError as exc:
             reason = f"{type(exc).__name__}: {chan.peer} broke off mid-transfer: {exc}"
             raise PullInterrupted(str(exc), _outcomes(reply.found, arrived, reason)) from None
-        return _outcomes(reply.found, arrived, ""), arrived * nbytes
+        return _outcomes(reply.found, arrived, "")
 
     def _receive(self, link: Link, blocks: list[int], deadline: float) -> Iterator[int]:
         """Read one fetch's blocks frames into ``blocks``, yielding how many have
@@ -182,8 +183,8 @@ class TcpConnector(ServedPoolConnector):
         view: memoryview = self._staging.bytes
         return staging, view
 
-    def _close(self) -> None:
-        super()._close()
+    def close(self) -> None:
+        super().close()
         self._pool_bytes = None
 
 

@@ -24,10 +24,10 @@ from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.client import Link
 from kvmux.net.messages import LocateRequest, Message, PinReply, Unpin, expect, pack_rows
-from kvmux.net.served_pool import ServedPoolConfig, ServedPoolConnector
+from kvmux.net.served_pool import ServedPoolBackend, ServedPoolConfig
 from kvmux.net.server import Handler, Session
 
-__all__ = ["PinReply", "PinnedPoolConfig", "PinnedPoolConnector", "Rows"]
+__all__ = ["PinReply", "PinnedPoolBackend", "PinnedPoolConfig", "Rows"]
 
 Rows = npt.NDArray[np.int64]
 """Block ids or pool rows of one move, in step with each other."""
@@ -39,7 +39,7 @@ class PinnedPoolConfig(ServedPoolConfig):
     )
 
 
-class PinnedPoolConnector(ServedPoolConnector):
+class PinnedPoolBackend(ServedPoolBackend):
     config: PinnedPoolConfig
     reply_type: ClassVar[type[PinReply]]
     """The backend's locate reply message."""
@@ -94,7 +94,7 @@ class PinnedPoolConnector(ServedPoolConnector):
 
     def _pull(
         self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         asked = time.monotonic()
         link.channel.send(LocateRequest.of(keys), deadline=deadline)
         reply = expect(link.channel.recv(deadline), self.reply_type)
@@ -104,7 +104,7 @@ class PinnedPoolConnector(ServedPoolConnector):
         hit = all_rows >= 0
         rows = all_rows[hit].astype(np.int64)
         if not rows.size:
-            return [MISSING] * len(keys), 0
+            return [MISSING] * len(keys)
         blocks = np.asarray(block_ids, dtype=np.int64)[hit]
         moved = False
         try:
@@ -124,8 +124,8 @@ class PinnedPoolConnector(ServedPoolConnector):
             late = failed(
                 f"the move outlasted the producer's {reply.lease_s} s lease; bytes unsure"
             )
-            return _outcomes(hit, late), 0
-        return _outcomes(hit, OK), len(rows) * self.copier.block_nbytes
+            return _outcomes(hit, late)
+        return _outcomes(hit, OK)
 
     @abstractmethod
     def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:

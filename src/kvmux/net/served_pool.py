@@ -30,16 +30,16 @@ import logging
 import secrets
 import time
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
-from kvmux.backends.cpu import CpuPoolConfig, CpuPoolConnector
+from kvmux.backend import Address, Health
+from kvmux.backends.cpu import CpuPoolBackend, CpuPoolConfig
+from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.compat import Compat
-from kvmux.connector import Address, Health
 from kvmux.errors import (
     ClosedError,
     InvalidRequestError,
@@ -47,9 +47,8 @@ from kvmux.errors import (
     PeerRestartedError,
     TransferError,
 )
-from kvmux.handle import Handle, Outcome, failed
+from kvmux.handle import Outcome, failed
 from kvmux.keys import BlockKey
-from kvmux.layout import KVLayout
 from kvmux.net.advertise import WILDCARDS, advertised_host
 from kvmux.net.client import Link, PeerClient
 from kvmux.net.frames import Limits
@@ -147,7 +146,7 @@ class PullInterrupted(TransferError):
         self.outcomes = outcomes
 
 
-class ServedPoolConnector(CpuPoolConnector):
+class ServedPoolBackend(CpuPoolBackend):
     """The ``cpu`` pool plus a server and a puller. Subclasses say where the pool
     lives, which extra requests the server answers, and how a remote load moves
     bytes."""
@@ -202,9 +201,9 @@ class ServedPoolConnector(CpuPoolConnector):
     @abstractmethod
     def _pull(
         self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
-        """One request's worth of a remote load over ``link``: per-key outcomes and
-        bytes moved. Raises TransferError if the exchange failed, PullInterrupted
+    ) -> list[Outcome]:
+        """One request's worth of a remote load over ``link``: per-key outcomes.
+        Raises TransferError if the exchange failed, PullInterrupted
         if it failed after some keys had their final outcome."""
 
     def _session_closed(self, session: Session) -> None:
@@ -219,14 +218,15 @@ class ServedPoolConnector(CpuPoolConnector):
 
     # ------------------------------------------------------------------ storage
 
-    def _register(self, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> None:
-        super()._register(layout, caches)
+    def register(self, blocks: BlockCopier) -> None:
+        super().register(blocks)
+        layout = blocks.layout
         with self._lock:
             self._terms = Terms(layout.fingerprint(), Compat.of(layout))
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if source is None:
-            return super()._lookup(keys, None)
+            return super().lookup(keys, None)
         peer = PeerAddress.parse(source)
         found = 0
         try:
@@ -239,7 +239,7 @@ class ServedPoolConnector(CpuPoolConnector):
                 incarnation=peer.incarnation,
             )
         except KvmuxError as exc:
-            self._stats.add("lookup_errors")
+            self.counters.add("lookup_errors")
             log.warning("kvmux %s: lookup at %s:%s failed: %s", self.service, *peer.endpoint, exc)
             self._forget(peer, exc)
         return found
@@ -255,40 +255,38 @@ class ServedPoolConnector(CpuPoolConnector):
                 break
         return found
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        """A remote load runs on its peer's lane (:mod:`kvmux.lanes`), against a
-        deadline taken now: a peer that hangs delays nobody else's loads, and
-        loads queued behind it fail when their own time is up, not later."""
+    def lane(self, source: Address | None) -> Hashable:
+        """A remote load runs on its peer's lane (:mod:`kvmux.lanes`): a peer that
+        hangs delays nobody else's loads. A local one is a memory copy (inline)."""
+        return None if source is None else PeerAddress.parse(source).endpoint
+
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> list[Outcome]:
         if source is None:
-            return super()._load(keys, block_ids, None)
-        peer = PeerAddress.parse(source)
-        deadline = time.monotonic() + self.config.timeout_s
-        return self._run(
-            keys,
-            lambda: self._load_remote(peer, keys, block_ids, deadline),
-            deadline=deadline,
-            lane=peer.endpoint,
-        )
+            return super().load(keys, block_ids, None, deadline)
+        return self._load_remote(PeerAddress.parse(source), keys, block_ids, deadline)
 
     def _load_remote(
         self, peer: PeerAddress, keys: list[BlockKey], block_ids: list[int], deadline: float
-    ) -> tuple[list[Outcome], int]:
+    ) -> list[Outcome]:
         """Pull batch by batch over one link; once a batch fails, the rest fail with it."""
         self._check_peer(peer)
         outcomes: list[Outcome] = []
-        nbytes = 0
 
         def exchange(link: Link) -> None:
-            nonlocal nbytes
             for batch in key_batches(keys, link.header_budget):
-                got, moved = self._pull(
+                got = self._pull(
                     link,
                     keys[batch.start : batch.stop],
                     block_ids[batch.start : batch.stop],
                     deadline,
                 )
                 outcomes.extend(got)
-                nbytes += moved
 
         try:
             self._client.call(peer.endpoint, deadline, exchange, incarnation=peer.incarnation)
@@ -298,18 +296,18 @@ class ServedPoolConnector(CpuPoolConnector):
                 outcomes.extend(exc.outcomes)
             reason = f"{type(exc).__name__}: pulling from {peer.host}:{peer.port}: {exc}"
             outcomes.extend([failed(reason)] * (len(keys) - len(outcomes)))
-        return outcomes, nbytes
+        return outcomes
 
     # ------------------------------------------------------------ publications
 
-    def _renew(self, leases: list[str], source: Address | None) -> None:
+    def renew(self, leases: list[str], source: Address | None) -> None:
         if source is None:
-            return super()._renew(leases, None)
+            return super().renew(leases, None)
         self._notify(PeerAddress.parse(source), Renew, leases)
 
-    def _unpublish(self, leases: list[str], source: Address | None) -> None:
+    def unpublish(self, leases: list[str], source: Address | None) -> None:
         if source is None:
-            return super()._unpublish(leases, None)
+            return super().unpublish(leases, None)
         self._notify(PeerAddress.parse(source), Release, leases)
 
     def _notify(self, peer: PeerAddress, notice: type[Renew | Release], leases: list[str]) -> None:
@@ -332,7 +330,7 @@ class ServedPoolConnector(CpuPoolConnector):
                 self._check_peer(peer)
                 self._client.call(peer.endpoint, deadline, send, incarnation=peer.incarnation)
             except KvmuxError as exc:
-                self._stats.add("lease_notice_errors")
+                self.counters.add("lease_notice_errors")
                 log.info(
                     "kvmux %s: could not send %s for %d publication(s) to %s:%s: %s",
                     self.service,
@@ -343,7 +341,7 @@ class ServedPoolConnector(CpuPoolConnector):
                 )
 
         with contextlib.suppress(ClosedError):  # closing: the leases end at their time
-            self._submit(tell, lane=("notices", peer.endpoint), width=1)
+            self.lanes.submit(("notices", peer.endpoint), tell, 1)
 
     def _serve_renew(self, session: Session, msg: Renew) -> None:
         session.send(LeaseReply(known=self._renew_here(msg.leases)))
@@ -395,8 +393,6 @@ class ServedPoolConnector(CpuPoolConnector):
         }
 
     def health(self) -> Health:
-        if self._closed:
-            return Health(False, "closed")
         if not self._server.alive:
             return Health(False, "server thread is not running; peers cannot pull")
         return Health(True)
@@ -413,7 +409,7 @@ class ServedPoolConnector(CpuPoolConnector):
         )
         return out
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self._server.close()
         self._client.close()
-        super()._close()
+        super().close()

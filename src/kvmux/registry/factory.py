@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvmux.backend import Backend
 from kvmux.bridges import BufferConnector, PipeLookupBuffer
 from kvmux.buffer import LookupBuffer
 from kvmux.connector import Connector
@@ -10,7 +11,7 @@ from kvmux.multi.policy import Policy
 from kvmux.pipe import Pipe
 from kvmux.registry.loader import ConfigLike, load_class, parse_config, resolve
 
-_KINDS = {"connectors": Connector, "buffers": LookupBuffer, "pipes": Pipe, "policies": Policy}
+_KINDS = {"connectors": Backend, "buffers": LookupBuffer, "pipes": Pipe, "policies": Policy}
 
 
 def create_connector(config: ConfigLike) -> Connector:
@@ -22,8 +23,8 @@ def create_connector(config: ConfigLike) -> Connector:
     entry, cls, cfg = parse_config(config)
     _check_kind(entry.name, entry.group, cls)
     if entry.group == "connectors":
-        connector: Connector = cls(cfg)
-        return connector
+        backend: Backend = cls(cfg)
+        return Connector(backend)
     if entry.group == "buffers":
         return BufferConnector(cls(cfg), cfg)
     pipe: Pipe = cls(cfg)

@@ -74,8 +74,10 @@ def summary(result: TransferResult) -> str:
 
 
 def describe(obj: object) -> str:
-    """``TcpConnector``, or for bridges and wrappers what they wrap:
-    ``BufferConnector(PipeLookupBuffer(TcpPipe))``."""
+    """``TcpBackend``, or for bridges and wrappers what they wrap:
+    ``BufferBackend(PipeLookupBuffer(TcpPipe))``; a connector by its backend."""
+    if isinstance(obj, Connector):
+        return describe(obj.backend)
     for attr in ("buffer", "pipe", "inner"):
         inner = getattr(obj, attr, None)
         if inner is not None:

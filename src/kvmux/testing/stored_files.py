@@ -62,7 +62,7 @@ class StoredFiles:
         dirs = config_dirs(connector.config)
         if not dirs:
             pytest.fail(
-                f"{type(connector).__name__} declares file_backed, but its config names "
+                f"{type(connector.backend).__name__} declares file_backed, but its config names "
                 "no existing directory where its blocks' files could be"
             )
         return cls(tuple(dirs))

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvmux.connector import Address, Connector
-from kvmux.handle import MISSING, Handle, Outcome, Status
+from kvmux.backend import Address, Backend
+from kvmux.handle import MISSING, Outcome, Status
 from kvmux.keys import BlockKey
 from kvmux.testing.faults.choice import KeyChoice, unit
-from kvmux.testing.faults.wrapper import ConnectorWrapper
+from kvmux.testing.faults.wrapper import FaultWrapper
 
 
-class DropKeys(ConnectorWrapper):
+class DropKeys(FaultWrapper):
     """Chosen keys are reported ``missing`` by ``load`` and never reach the backend.
 
     By default ``lookup`` still counts them, which models the common race: the
@@ -23,7 +23,7 @@ class DropKeys(ConnectorWrapper):
 
     def __init__(
         self,
-        inner: Connector,
+        inner: Backend,
         *,
         rate: float = 0.0,
         keys: Iterable[BlockKey] = (),
@@ -34,22 +34,32 @@ class DropKeys(ConnectorWrapper):
         self.choice = KeyChoice.of(rate, keys, seed)
         self.on_lookup = on_lookup
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if self.on_lookup:
             keys = keys[: next((i for i, k in enumerate(keys) if k in self.choice), len(keys))]
             if not keys:
                 return 0
-        return self.inner.lookup(keys, source)
+        return super().lookup(keys, source)
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
         injected: list[Outcome | None] = [MISSING if k in self.choice else None for k in keys]
-        self._stats.add("injected_dropped", sum(o is not None for o in injected))
-        return self._split(
-            keys, block_ids, injected, lambda ks, bs: self.inner.load(ks, bs, source)
+        self.counters.add("injected_dropped", sum(o is not None for o in injected))
+        return self.split(
+            keys,
+            block_ids,
+            injected,
+            lambda ks, bs: self.inner_runner.load(ks, bs, source, deadline),
+            deadline,
         )
 
 
-class CorruptBytes(ConnectorWrapper):
+class CorruptBytes(FaultWrapper):
     """Loads of chosen keys complete ``ok`` but with ``nbytes`` bytes of the block inverted.
 
     This models a transport that damages data without noticing (a bad NIC, a
@@ -62,7 +72,7 @@ class CorruptBytes(ConnectorWrapper):
 
     def __init__(
         self,
-        inner: Connector,
+        inner: Backend,
         *,
         rate: float = 0.0,
         keys: Iterable[BlockKey] = (),
@@ -87,21 +97,22 @@ class CorruptBytes(ConnectorWrapper):
             }
         )
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        handle = self.inner.load(keys, block_ids, source)
-
-        def work() -> tuple[list[Outcome], int]:
-            result = self._await(handle)
-            for key, block, outcome in zip(keys, block_ids, result.outcomes, strict=True):
-                if outcome.status is Status.OK and key in self.choice:
-                    self._damage(key, block)
-            return list(result.outcomes), result.nbytes
-
-        return self._run(keys, work)
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
+        outcomes = super().load(keys, block_ids, source, deadline)
+        for key, block, outcome in zip(keys, block_ids, outcomes, strict=True):
+            if outcome.status is Status.OK and key in self.choice:
+                self._damage(key, block)
+        return outcomes
 
     def _damage(self, key: BlockKey, block: int) -> None:
         row = self.copier.gather([block])
         where = torch.tensor(self.positions(key), dtype=torch.long)
         row[0, where] = torch.bitwise_not(row[0, where])
         self.copier.copy_in([block], row)
-        self._stats.add("injected_corrupted")
+        self.counters.add("injected_corrupted")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Sequence
 
-from kvmux.connector import Address, Connector
-from kvmux.handle import Handle, Outcome, failed
+from kvmux.backend import Address, Backend
+from kvmux.handle import Outcome, failed
 from kvmux.keys import BlockKey
-from kvmux.testing.faults.wrapper import ConnectorWrapper
+from kvmux.testing.faults.wrapper import FaultWrapper
 
 
-class FailMidBatch(ConnectorWrapper):
+class FailMidBatch(FaultWrapper):
     """In each save or load (as chosen by ``ops``), the first ``after`` keys go to the
     backend and the rest fail without reaching it.
 
@@ -19,7 +20,7 @@ class FailMidBatch(ConnectorWrapper):
     """
 
     def __init__(
-        self, inner: Connector, after: int, *, ops: Collection[str] = ("save", "load")
+        self, inner: Backend, after: int, *, ops: Collection[str] = ("save", "load")
     ) -> None:
         super().__init__(inner)
         if after < 0:
@@ -33,20 +34,34 @@ class FailMidBatch(ConnectorWrapper):
     def _injected(self, n: int) -> list[Outcome | None]:
         reason = f"injected fault: transfer broke after {self.after} of {n} blocks"
         cut = min(self.after, n)
-        self._stats.add("injected_failed", n - cut)
+        self.counters.add("injected_failed", n - cut)
         return [None] * cut + [failed(reason)] * (n - cut)
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
         if "save" not in self.ops:
-            return self.inner.save(keys, block_ids)
-        return self._split(keys, block_ids, self._injected(len(keys)), self.inner.save)
-
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        if "load" not in self.ops:
-            return self.inner.load(keys, block_ids, source)
-        return self._split(
+            return super().save(keys, block_ids)
+        deadline = time.monotonic() + self.config.timeout_s
+        return self.split(
             keys,
             block_ids,
             self._injected(len(keys)),
-            lambda ks, bs: self.inner.load(ks, bs, source),
+            lambda ks, bs: self.inner_runner.save(ks, bs, deadline),
+            deadline,
+        )
+
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
+        if "load" not in self.ops:
+            return super().load(keys, block_ids, source, deadline)
+        return self.split(
+            keys,
+            block_ids,
+            self._injected(len(keys)),
+            lambda ks, bs: self.inner_runner.load(ks, bs, source, deadline),
+            deadline,
         )

@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-from kvmux.connector import Address, Connector, Health
+from kvmux.backend import Address, Backend, Health
 from kvmux.errors import ClosedError, TransferError, TransferTimeout
-from kvmux.handle import Handle, Outcome, failed
+from kvmux.handle import Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.testing.faults.choice import unit
-from kvmux.testing.faults.wrapper import ConnectorWrapper
+from kvmux.testing.faults.wrapper import FaultWrapper
 
 
-class Delay(ConnectorWrapper):
+class Delay(FaultWrapper):
     """Each save and load starts ``seconds`` (plus up to ``jitter_s``) late; lookups
     take ``lookup_s`` longer. The call itself returns at once, as a real async
     transfer does; only the handle completes late.
 
     Jitter is fixed per batch by ``seed`` and the batch's first key. At most
-    ``max_workers`` delayed transfers wait at a time; more queue behind them.
+    ``workers`` delayed transfers wait at a time; more queue behind them.
     """
 
     def __init__(
         self,
-        inner: Connector,
+        inner: Backend,
         seconds: float,
         *,
         jitter_s: float = 0.0,
@@ -43,34 +44,36 @@ class Delay(ConnectorWrapper):
         first = keys[0].digest if keys else b""
         return self.seconds + self.jitter_s * unit(self.seed, b"jitter", first)
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if self.lookup_s and self._stop.wait(self.lookup_s):
             raise ClosedError("connector closed during an injected lookup delay")
-        return self.inner.lookup(keys, source)
+        return super().lookup(keys, source)
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
-        return self._later(keys, lambda: self.inner.save(keys, block_ids))
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
+        return self._later(keys, lambda: super(Delay, self).save(keys, block_ids))
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
-        return self._later(keys, lambda: self.inner.load(keys, block_ids, source))
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
+        return self._later(keys, lambda: super(Delay, self).load(keys, block_ids, source, deadline))
 
-    def _later(self, keys: list[BlockKey], start: Callable[[], Handle]) -> Handle:
-        pause = self.pause(keys)
-
-        def work() -> tuple[list[Outcome], int]:
-            if self._stop.wait(pause):
-                raise ClosedError("connector closed during an injected delay")
-            self._stats.add("injected_delays")
-            result = self._await(start())
-            return list(result.outcomes), result.nbytes
-
-        return self._run(keys, work)
+    def _later(
+        self, keys: list[BlockKey], start: Callable[[], Sequence[Outcome]]
+    ) -> Sequence[Outcome]:
+        if self._stop.wait(self.pause(keys)):
+            raise ClosedError("connector closed during an injected delay")
+        self.counters.add("injected_delays")
+        return start()
 
 
 DeathMode = Literal["raise", "fail", "hang"]
 
 
-class Die(ConnectorWrapper):
+class Die(FaultWrapper):
     """A backend that works for ``after_calls`` calls (lookups, saves, loads), then dies.
 
     ``mode`` says how a dead backend behaves:
@@ -89,7 +92,7 @@ class Die(ConnectorWrapper):
 
     def __init__(
         self,
-        inner: Connector,
+        inner: Backend,
         *,
         mode: DeathMode = "fail",
         after_calls: int = 0,
@@ -122,7 +125,7 @@ class Die(ConnectorWrapper):
             if self._budget > 0:
                 self._budget -= 1
                 return False
-        self._stats.add("injected_deaths")
+        self.counters.add("injected_deaths")
         return True
 
     def _reason(self) -> str:
@@ -131,13 +134,13 @@ class Die(ConnectorWrapper):
         return "injected fault: backend died"
 
     def health(self) -> Health:
-        if not self._closed and self.dead:
+        if self.dead:
             return Health(False, self._reason())
         return super().health()
 
-    def _lookup(self, keys: list[BlockKey], source: Address | None) -> int:
+    def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
         if not self._call_dies():
-            return self.inner.lookup(keys, source)
+            return super().lookup(keys, source)
         if self.mode == "raise":
             raise TransferError(self._reason())
         if self.mode == "hang":
@@ -145,25 +148,26 @@ class Die(ConnectorWrapper):
             raise TransferTimeout(self._reason())
         return 0
 
-    def _save(self, keys: list[BlockKey], block_ids: list[int]) -> Handle:
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
         if not self._call_dies():
-            return self.inner.save(keys, block_ids)
-        return self._dead_transfer(keys)
+            return super().save(keys, block_ids)
+        return self._dead_transfer(keys, time.monotonic() + self.deadline_s)
 
-    def _load(self, keys: list[BlockKey], block_ids: list[int], source: Address | None) -> Handle:
+    def load(
+        self,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        source: Address | None,
+        deadline: float,
+    ) -> Sequence[Outcome]:
         if not self._call_dies():
-            return self.inner.load(keys, block_ids, source)
-        return self._dead_transfer(keys)
+            return super().load(keys, block_ids, source, deadline)
+        return self._dead_transfer(keys, time.monotonic() + self.deadline_s)
 
-    def _dead_transfer(self, keys: list[BlockKey]) -> Handle:
+    def _dead_transfer(self, keys: list[BlockKey], until: float) -> list[Outcome]:
+        """A dead backend's transfer: raises, fails at once, or (hung) fails at ``until``."""
         if self.mode == "raise":
             raise TransferError(self._reason())
-        reason = self._reason()
-        if self.mode == "fail":
-            return Handle.completed(keys, [failed(reason)] * len(keys))
-
-        def work() -> tuple[list[Outcome], int]:
-            self._stop.wait(self.deadline_s)
-            return [failed(reason)] * len(keys), 0
-
-        return self._run(keys, work)
+        if self.mode == "hang":
+            self._stop.wait(max(0.0, until - time.monotonic()))
+        return [failed(self._reason())] * len(keys)

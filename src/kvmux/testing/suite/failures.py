@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvmux.connector import Connector
 from kvmux.errors import KvmuxError
 from kvmux.handle import Status
 from kvmux.testing.faults import Delay, Die, DropKeys, FailMidBatch
@@ -29,7 +30,9 @@ class FaultToleranceTests(SuiteBase):
         keys = harness.keys(8)
         expected = pair.save_all(keys, range(8))
         dropped = [1, 4, 5]
-        lossy = harness.track(DropKeys(pair.loader, keys=[keys[i] for i in dropped]))
+        lossy = harness.track(
+            Connector(DropKeys(pair.loader.backend, keys=[keys[i] for i in dropped]))
+        )
         result = pair.through(lossy).load_and_verify(
             keys, range(8, 16), expected, allow=frozenset({Status.OK, Status.MISSING})
         )
@@ -42,7 +45,7 @@ class FaultToleranceTests(SuiteBase):
         pair = harness.pair()
         keys = harness.keys(4)
         expected = pair.save_all(keys, range(4))
-        slow = harness.track(Delay(pair.loader, 0.3))
+        slow = harness.track(Connector(Delay(pair.loader.backend, 0.3)))
         start = time.monotonic()
         handle = slow.load(keys, [8, 9, 10, 11], pair.source)
         assert not handle.poll(), "a delayed load cannot be done at once"
@@ -55,7 +58,7 @@ class FaultToleranceTests(SuiteBase):
         pair = harness.pair()
         keys = harness.keys(8)
         expected = pair.save_all(keys, range(8))
-        flaky = harness.track(FailMidBatch(pair.loader, after=3, ops=("load",)))
+        flaky = harness.track(Connector(FailMidBatch(pair.loader.backend, after=3, ops=("load",))))
         result = pair.through(flaky).load_and_verify(keys, range(8, 16), expected, ANY_STATUS)
         statuses = [o.status for o in result.outcomes]
         assert statuses == [Status.OK] * 3 + [Status.FAILED] * 5
@@ -67,13 +70,14 @@ class FaultToleranceTests(SuiteBase):
         pair = harness.pair()
         keys = harness.keys(4)
         expected = pair.save_all(keys, range(4))
-        hung = harness.track(Die(pair.loader, mode="hang", deadline_s=0.3))
+        die = Die(pair.loader.backend, mode="hang", deadline_s=0.3)
+        hung = harness.track(Connector(die))
         start = time.monotonic()
         result = pair.through(hung).load_and_verify(keys, range(8, 12), expected, ANY_STATUS)
         assert time.monotonic() - start >= 0.3
         assert [o.status for o in result.outcomes] == [Status.FAILED] * 4
         assert not hung.health().healthy
-        hung.revive()
+        die.revive()
         pair.through(hung).load_and_verify(keys, range(8, 12), expected)
 
     @requires("p2p")
