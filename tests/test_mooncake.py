@@ -138,15 +138,15 @@ def test_a_read_larger_than_the_te_queue_is_split(
     conn = consumer.connector.backend
     assert isinstance(conn, MooncakeBackend)
     calls: list[int] = []
-    real = conn._engine._engine.batch_transfer_sync_read
+    real = conn.transport.engine._engine.batch_transfer_sync_read
 
     class Counting:
         def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
             calls.append(len(ranges[0]))
             return int(real(peer, *ranges))
 
-    monkeypatch.setattr(conn._engine, "max_batch", 10)
-    monkeypatch.setattr(conn._engine, "_engine", Counting())
+    monkeypatch.setattr(conn.transport.engine, "max_batch", 10)
+    monkeypatch.setattr(conn.transport.engine, "_engine", Counting())
     dst = torch.randperm(N, generator=torch.Generator().manual_seed(3)).tolist()
     result = consumer.load(producer.keys, dst, producer.address)
     assert result.ok, result.not_ok[:2]
@@ -166,7 +166,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
     assert isinstance(conn, MooncakeBackend)
     try:
         with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
-            real_read = conn._engine.read
+            real_read = conn.transport.engine.read
 
             def read_as_it_dies(*args: Any, **kwargs: Any) -> None:
                 if fate == "killed":
@@ -175,7 +175,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
                     os.kill(doomed.pid, signal.SIGSTOP)
                 real_read(*args, **kwargs)
 
-            monkeypatch.setattr(conn._engine, "read", read_as_it_dies)
+            monkeypatch.setattr(conn.transport.engine, "read", read_as_it_dies)
             start = time.monotonic()
             during = consumer.load(doomed.keys, list(range(big)), doomed.address)
             elapsed = time.monotonic() - start

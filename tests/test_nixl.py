@@ -129,7 +129,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
     assert isinstance(conn, NixlBackend)
     try:
         with spawn_peer({**CONFIG, "capacity_bytes": 20 * 2**20}, big, SEED) as doomed:
-            real_read = conn._agent.read
+            real_read = conn.transport.agent.read
 
             def read_as_it_dies(*args: Any, **kwargs: Any) -> None:
                 if fate == "killed":
@@ -138,7 +138,7 @@ def test_a_producer_dying_mid_transfer_fails_keys_within_timeout(
                     os.kill(doomed.pid, signal.SIGSTOP)
                 real_read(*args, **kwargs)
 
-            monkeypatch.setattr(conn._agent, "read", read_as_it_dies)
+            monkeypatch.setattr(conn.transport.agent, "read", read_as_it_dies)
             start = time.monotonic()
             during = consumer.load(doomed.keys, list(range(big)), doomed.address)
             elapsed = time.monotonic() - start

@@ -177,8 +177,8 @@ def test_the_segment_is_unlinked_on_close() -> None:
     assert isinstance(conn.backend, ShmBackend)
     caches = make_caches(SEED, 4)
     conn.register(make_layout(caches), caches)
-    assert conn.backend.segment_name is not None
-    path = SHM_DIR / conn.backend.segment_name
+    assert conn.backend.transport.segment_name is not None
+    path = SHM_DIR / conn.backend.transport.segment_name
     assert path.exists()
     conn.close()
     conn.close()

@@ -1,7 +1,7 @@
 """``mooncake``: the producer's pool is registered with a Mooncake Transfer Engine; a
 consumer READs it straight into its own KV memory.
 
-The served pool of ``tcp``/``shm``/``nixl`` (:mod:`kvmux.net.served_pool`) with
+The served pool of ``tcp``/``shm``/``nixl`` (:mod:`kvmux.pool`) with
 Mooncake's Transfer Engine (TE) as the data path. ``save`` copies blocks into
 the pool (so the engine may reuse its blocks once the handle ends); the pool is
 one tensor registered with this instance's engine. A consumer registers its KV
@@ -24,7 +24,7 @@ see :mod:`kvmux.net.mooncake_engine` for why and for the one caveat (a frozen
 peer's late writes). TE listens on ``0.0.0.0`` whatever ``te_host`` says.
 
 A producer restarted on its control port is told apart by its incarnation
-(:mod:`kvmux.net.served_pool`), before TE is asked for anything. TE itself
+(:mod:`kvmux.pool.peer`), before TE is asked for anything. TE itself
 keeps the dead engine's segment descriptor (its Python API has no call to
 drop one); the new engine listens on a new random RPC port, a segment name of
 its own, and every read's addresses come from the new producer's reply.
@@ -44,9 +44,12 @@ from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
 from kvmux.net.advertise import advertised_host
 from kvmux.net.client import Link
-from kvmux.net.messages import MooncakeLocateReply
+from kvmux.net.messages import MooncakeLocateReply, PinReply
 from kvmux.net.mooncake_engine import MooncakeEngine
-from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
+from kvmux.pool.config import PinnedPoolConfig
+from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.served import ServedPoolBackend
+from kvmux.pool.store import PoolStore
 
 
 class MooncakeConfig(PinnedPoolConfig):
@@ -74,36 +77,23 @@ class MooncakeConfig(PinnedPoolConfig):
     )
 
 
-class MooncakeBackend(PinnedPoolBackend):
-    """Pool registered with TE + control server + one-batch READ puller."""
+class MooncakeTransport(PinnedTransport):
+    """Pool registered with TE; the consumer READs it in one batch."""
 
-    config_model = MooncakeConfig
     config: MooncakeConfig
     service = "mooncake"
     reply_type = MooncakeLocateReply
-    capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(self, config: MooncakeConfig, store: PoolStore) -> None:
+        super().__init__(config, store)
         self._pool_base = 0
         self._addressing: BlockAddressing | None = None
-        # The engine exists before the server answers its first request.
         te_host = config.te_host or advertised_host(config.host, config.advertise)
-        self._engine = MooncakeEngine(
+        self.engine = MooncakeEngine(
             te_host, config.protocol, config.device_name, config.max_queued_per_peer
         )
-        try:
-            super().__init__(config)
-        except BaseException:
-            self._engine.close()
-            raise
 
     # ------------------------------------------------------------------ memory
-
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
-        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
-        self._engine.register([pool])
-        self._pool_base = pool.data_ptr()
-        return pool
 
     def register(self, blocks: BlockCopier) -> None:
         layout, caches = blocks.layout, blocks.caches
@@ -111,16 +101,22 @@ class MooncakeBackend(PinnedPoolBackend):
         if addressing is None:
             raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
         super().register(blocks)
-        self._engine.register([caches[spec.name] for spec in layout.layers])
+        self.engine.register([caches[spec.name] for spec in layout.layers])
         self._addressing = addressing
+
+    def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
+        self.engine.register([pool])
+        self._pool_base = pool.data_ptr()
+        return pool
 
     # ---------------------------------------------------------------- producer
 
-    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return MooncakeLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
-            te_port=self._engine.port,
+            te_port=self.engine.port,
             base=self._pool_base,
             slots=slots,
             block_nbytes=block_nbytes,
@@ -129,12 +125,12 @@ class MooncakeBackend(PinnedPoolBackend):
 
     # ---------------------------------------------------------------- consumer
 
-    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
+    def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, MooncakeLocateReply)
         assert self._addressing is not None
         # Coalesced ranges (:meth:`BlockAddressing.runs`): fewer TE requests.
         runs = self._addressing.runs(blocks, rows, reply.base)
-        self._engine.read(
+        self.engine.read(
             f"{link.endpoint[0]}:{reply.te_port}",
             runs.local.tolist(),
             runs.remote.tolist(),
@@ -145,14 +141,20 @@ class MooncakeBackend(PinnedPoolBackend):
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
-        with self._lock:
-            out["mooncake_pinned_slots"] = self._slots.pinned
-        return out
+        with self.store.lock:
+            return {"mooncake_pinned_slots": self.store.slots.pinned}
 
     def address(self) -> dict[str, Any]:
-        return {**super().address(), "te_port": self._engine.port}
+        return {"te_port": self.engine.port}
 
     def close(self) -> None:
-        super().close()
-        self._engine.close()
+        self.engine.close()
+
+
+class MooncakeBackend(ServedPoolBackend):
+    """The served pool registered with a Transfer Engine, read with batch READs."""
+
+    config_model = MooncakeConfig
+    config: MooncakeConfig
+    transport_type = MooncakeTransport
+    capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)
