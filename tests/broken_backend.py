@@ -43,8 +43,8 @@ class CountsEveryHit(CpuPoolBackend):
     """``lookup`` counts every key it holds, ignoring prefix semantics."""
 
     def lookup(self, keys: list[BlockKey], source: Address | None) -> int:
-        with self._lock:
-            return sum(key in self._slots for key in keys)
+        with self.store.lock:
+            return sum(key in self.store.slots for key in keys)
 
 
 class OkForMissing(CpuPoolBackend):
@@ -109,8 +109,8 @@ class FailsWhenFull(CpuPoolBackend):
     """Declares ``capacity_bound`` but fails saves once full instead of evicting."""
 
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
-        free = self._slots.slots - len(self._slots)
-        fits = [k not in self._slots for k in keys]
+        free = self.store.slots.slots - len(self.store.slots)
+        fits = [k not in self.store.slots for k in keys]
         if sum(fits) <= free:
             return super().save(keys, block_ids)
         return [failed("pool is full")] * len(keys)

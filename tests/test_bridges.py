@@ -124,7 +124,7 @@ def test_a_pipe_config_model_names_the_pipe_wherever_it_is_passed() -> None:
     conn = create_connector(config)
     pipe = create_pipe(config)
     try:
-        assert isinstance(conn, BufferConnector)
+        assert isinstance(conn.backend, BufferBackend)
         assert conn.config is config
         assert isinstance(pipe, TcpPipe) and pipe.config is config
     finally:

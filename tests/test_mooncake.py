@@ -63,8 +63,9 @@ class TestMooncakeAcrossProcesses(CrossProcessTests):
     seed = SEED
 
     def transfer_call(self, connector: Connector) -> tuple[object, str]:
-        assert isinstance(connector, MooncakeBackend)
-        return connector._engine, "read"
+        backend = connector.backend
+        assert isinstance(backend, MooncakeBackend)
+        return backend.transport.engine, "read"
 
     def test_a_read_larger_than_the_te_queue_is_split(
         self,
@@ -74,18 +75,18 @@ class TestMooncakeAcrossProcesses(CrossProcessTests):
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """More ranges than TE queues per peer would fail and break the engine: split them."""
-        conn = consumer.connector
+        conn = consumer.connector.backend
         assert isinstance(conn, MooncakeBackend)
         calls: list[int] = []
-        real = conn._engine._engine.batch_transfer_sync_read
+        real = conn.transport.engine._engine.batch_transfer_sync_read
 
         class Counting:
             def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
                 calls.append(len(ranges[0]))
                 return int(real(peer, *ranges))
 
-        monkeypatch.setattr(conn._engine, "max_batch", 10)
-        monkeypatch.setattr(conn._engine, "_engine", Counting())
+        monkeypatch.setattr(conn.transport.engine, "max_batch", 10)
+        monkeypatch.setattr(conn.transport.engine, "_engine", Counting())
         dst = torch.randperm(N, generator=torch.Generator().manual_seed(3)).tolist()
         result = consumer.load(producer.keys, dst, producer.address)
         assert result.ok, result.not_ok[:2]

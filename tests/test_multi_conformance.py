@@ -1,4 +1,4 @@
-"""MultiConnector compositions, and the checksum wrapper, pass the conformance suite.
+"""multi compositions, and the checksum wrapper, pass the conformance suite.
 
 Each composition is built through the registry from one config. The suite
 passes ``capacity_bytes`` to test bounded backends; here it becomes the

@@ -49,8 +49,9 @@ class TestNixlAcrossProcesses(CrossProcessTests):
     seed = 13
 
     def transfer_call(self, connector: Connector) -> tuple[object, str]:
-        assert isinstance(connector, NixlBackend)
-        return connector._agent, "read"
+        backend = connector.backend
+        assert isinstance(backend, NixlBackend)
+        return backend.transport.agent, "read"
 
     def test_a_producer_ends_a_vanished_consumers_pins_and_serves_the_next(
         self, producer: PeerProcess, expected: torch.Tensor

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvmux.backends.shm import ShmBackend
+from kvmux.connector import Connector
 from kvmux.keys import BlockKey
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
@@ -103,11 +104,11 @@ class TestShmAcrossProcesses(CrossProcessTests):
 
 def test_the_segment_is_unlinked_on_close() -> None:
     conn = create_connector({"backend": "shm"})
-    assert isinstance(conn, ShmBackend)
+    assert isinstance(conn.backend, ShmBackend)
     caches = make_caches(SEED, 4)
     conn.register(make_layout(caches), caches)
-    assert conn.segment_name is not None
-    path = SHM_DIR / conn.segment_name
+    assert conn.backend.transport.segment_name is not None
+    path = SHM_DIR / conn.backend.transport.segment_name
     assert path.exists()
     conn.close()
     conn.close()
@@ -134,19 +135,19 @@ def test_eviction_keeps_the_pool_within_capacity() -> None:
 
 
 @pytest.fixture
-def small_pool() -> Iterator[tuple[ShmBackend, dict[str, torch.Tensor]]]:
+def small_pool() -> Iterator[tuple[Connector, dict[str, torch.Tensor]]]:
     """A producer whose 4-slot pool is full, with a short lease."""
     caches = make_caches(SEED, 8)
     block = make_layout(caches).block_nbytes
     conn = create_connector({"backend": "shm", "capacity_bytes": 4 * block, "lease_s": 0.3})
-    assert isinstance(conn, ShmBackend)
+    assert isinstance(conn.backend, ShmBackend)
     conn.register(make_layout(caches), caches)
     assert conn.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
     yield conn, caches
     conn.close()
 
 
-def locate_and_hold(conn: ShmBackend, keys: list[BlockKey]) -> tuple[PeerClient, LocateReply]:
+def locate_and_hold(conn: Connector, keys: list[BlockKey]) -> tuple[PeerClient, LocateReply]:
     """Pin ``keys`` like a consumer that then never unpins; returns the open client."""
     assert conn.layout is not None
     fingerprint = conn.layout.fingerprint()
@@ -164,7 +165,7 @@ def locate_and_hold(conn: ShmBackend, keys: list[BlockKey]) -> tuple[PeerClient,
 
 
 def test_pinned_blocks_are_not_evicted_until_the_lease_ends(
-    small_pool: tuple[ShmBackend, dict[str, torch.Tensor]],
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
 ) -> None:
     conn, _ = small_pool
     client, reply = locate_and_hold(conn, make_keys(4))
@@ -182,7 +183,7 @@ def test_pinned_blocks_are_not_evicted_until_the_lease_ends(
 
 
 def test_a_consumer_that_disconnects_releases_its_pins(
-    small_pool: tuple[ShmBackend, dict[str, torch.Tensor]],
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
 ) -> None:
     conn, _ = small_pool
     client, _ = locate_and_hold(conn, make_keys(2))

@@ -83,7 +83,7 @@ class Model:
 
 
 def save(table: PinnedSlots, batch: list[BlockKey]) -> list[bool]:
-    """What ``CpuPoolConnector._save_batch`` does with the table (without the copy)."""
+    """What ``PoolStore.save`` does with the table (without the copy)."""
     new = [k for k, s in zip(batch, table.keep_many(batch).tolist(), strict=True) if s < 0]
     done = 0
     while done < len(new):

@@ -331,6 +331,8 @@ def test_address_is_plain_json_and_listens_on_loopback_by_default(
 
 def test_close_stops_the_server_and_is_idempotent() -> None:
     conn = create_connector({"backend": "tcp"})
+    caches = make_caches(SEED, 4)
+    conn.register(make_layout(caches), caches)  # the server starts here
     port = address_of(conn)["port"]
     conn.close()
     conn.close()
@@ -469,6 +471,9 @@ def test_a_wildcard_bound_server_advertises_an_address_peers_can_dial() -> None:
     settings = {"backend": "tcp", "capacity_bytes": POOL_BYTES, "host": "0.0.0.0"}
     wildcard = create_connector(settings)
     named = create_connector({**settings, "advertise": "kvmux-p.example"})
+    caches = make_caches(SEED, 4)
+    for conn in (wildcard, named):
+        conn.register(make_layout(caches), caches)  # the server starts here
     try:
         assert wildcard.address()["host"] == first_host_address() != "0.0.0.0"
         assert named.address()["host"] == "kvmux-p.example"

@@ -1,7 +1,7 @@
 """Moving whole blocks between an engine's KV tensors and flat byte rows.
 
-Every backend that stores or ships bytes goes through here, so the one place
-that knows how a layout maps to memory is this file. A destination or source
+Every backend that stores or ships bytes goes through here; where the bytes
+lie in KV memory comes from :mod:`kvmux.addressing`. A destination or source
 is a 2-D ``uint8`` tensor of rows ``block_nbytes`` wide (a pool, a staging
 buffer, a mapped file). A row holds the block's slice of every layer, in
 layer order, each slice in C order.
@@ -18,38 +18,20 @@ consecutive blocks.
 from __future__ import annotations
 
 import ctypes
-import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
+from kvmux.addressing import BlockAddressing, Ids, index_runs, row_runs
 from kvmux.layout import KVLayout
-
-Ids = Sequence[int] | npt.NDArray[np.int64]
-"""Block ids or rows of one copy: a list, or an int64 array (no conversion needed)."""
 
 _VECTOR_MIN_RUN = 4
 """Below this many consecutive rows, per-range memmove beats a vectorized call's set-up."""
-
-
-@dataclass(frozen=True)
-class _HostLayer:
-    """Where block ``b`` of one contiguous host layer lives: ``outer`` ranges of
-    ``seg`` bytes at ``base + i * outer_stride + b * block_stride``."""
-
-    base: int
-    outer: int
-    outer_stride: int
-    block_stride: int
-    seg: int
-    row_offset: int
 
 
 class BlockCopier:
@@ -68,7 +50,10 @@ class BlockCopier:
             u8 = caches[spec.name].view(torch.uint8)
             self._layers.append((u8, spec.block_dim, offset, spec.block_nbytes))
             offset += spec.block_nbytes
-        self._host = _host_plan(self._layers)
+        addressing = BlockAddressing.of(layout, caches) if layout.device == "cpu" else None
+        self._host = addressing.layers if addressing is not None else None
+        """Address arithmetic of every layer, or None unless all are contiguous host
+        tensors (then the torch path is the safe one)."""
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +65,7 @@ class BlockCopier:
         if self._host is not None and _host_rows(dst):
             self._host_copy(block_ids, dst, rows, to_rows=True)
             return
-        for block, row, n in _runs(block_ids, rows):
+        for block, row, n in index_runs(block_ids, rows):
             for u8, bdim, off, nbytes in self._layers:
                 src = u8.narrow(bdim, block, n).movedim(bdim, 0)
                 dst[row : row + n, off : off + nbytes].view(src.shape).copy_(src)
@@ -91,7 +76,7 @@ class BlockCopier:
         if self._host is not None and _host_rows(src):
             self._host_copy(block_ids, src, rows, to_rows=False)
             return
-        for block, row, n in _runs(block_ids, rows):
+        for block, row, n in index_runs(block_ids, rows):
             for u8, bdim, off, nbytes in self._layers:
                 dst = u8.narrow(bdim, block, n).movedim(bdim, 0)
                 dst.copy_(src[row : row + n, off : off + nbytes].view(dst.shape))
@@ -129,7 +114,7 @@ class BlockCopier:
         run single-threaded, while memcpy itself uses every core."""
         assert self._host is not None
         tasks: list[Callable[[], None]] = []
-        for row, start, n in _row_runs(rows, len(block_ids)):
+        for row, start, n in row_runs(rows, len(block_ids)):
             blocks = block_ids[start : start + n]
             if n < _VECTOR_MIN_RUN:
                 tasks.append(partial(self._memmove, blocks, rows_tensor, row, to_rows=to_rows))
@@ -137,8 +122,9 @@ class BlockCopier:
             idx = torch.as_tensor(np.asarray(blocks, dtype=np.int64))
             run = rows_tensor[row : row + n]
             for layer, (u8, _, off, nbytes) in zip(self._host, self._layers, strict=True):
-                kv = u8.view(layer.outer, -1, layer.seg)
-                flat = run[:, off : off + nbytes].view(n, layer.outer, layer.seg).transpose(0, 1)
+                kv = u8.view(layer.pieces, -1, layer.piece_nbytes)
+                flat = run[:, off : off + nbytes].view(n, layer.pieces, layer.piece_nbytes)
+                flat = flat.transpose(0, 1)
                 if to_rows:
                     tasks.append(partial(_gather, kv, idx, flat))
                 else:
@@ -156,12 +142,13 @@ class BlockCopier:
             for layer in self._host:
                 kv = layer.base + block * layer.block_stride
                 flat = row_addr + layer.row_offset
-                for j in range(layer.outer):
-                    a, b = kv + j * layer.outer_stride, flat + j * layer.seg
+                seg = layer.piece_nbytes
+                for j in range(layer.pieces):
+                    a, b = kv + j * layer.piece_stride, flat + j * seg
                     if to_rows:
-                        move(b, a, layer.seg)
+                        move(b, a, seg)
                     else:
-                        move(a, b, layer.seg)
+                        move(a, b, seg)
             row_addr += row_stride
 
     def _check_rows(self, tensor: torch.Tensor, block_ids: Ids, rows: Ids | None) -> None:
@@ -181,20 +168,6 @@ class BlockCopier:
         low, high = (0, len(block_ids) - 1) if rows is None else _bounds(rows)
         if low < 0 or high >= tensor.shape[0]:
             raise IndexError(f"row out of range for {tensor.shape[0]} rows")
-
-
-def _host_plan(layers: list[tuple[torch.Tensor, int, int, int]]) -> tuple[_HostLayer, ...] | None:
-    """Address arithmetic for every layer, or None if any layer is not a
-    contiguous host tensor (then the torch path is the safe one)."""
-    plan = []
-    for u8, bdim, off, nbytes in layers:
-        if u8.device.type != "cpu" or not u8.is_contiguous():
-            return None
-        outer = math.prod(u8.shape[:bdim])
-        seg = nbytes // outer
-        outer_stride = u8.stride(bdim - 1) if bdim else 0
-        plan.append(_HostLayer(u8.data_ptr(), outer, outer_stride, u8.stride(bdim), seg, off))
-    return tuple(plan)
 
 
 def _gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -244,36 +217,5 @@ def _bounds(values: Ids) -> tuple[int, int]:
     return min(values), max(values)
 
 
-def _row_runs(rows: Ids | None, n: int) -> list[tuple[int, int, int]]:
-    """(first row, first index, length) of each run of consecutive rows, found with
-    one numpy pass: a batch is thousands of rows, mostly in a few runs."""
-    if rows is None or n == 0:
-        return [(0, 0, n)] if n else []
-    r = np.asarray(rows, dtype=np.int64)
-    if len(r) != n:
-        raise ValueError(f"{n} block ids but {len(r)} rows")
-    starts = np.flatnonzero(np.diff(r) != 1) + 1
-    firsts = [0, *starts.tolist()]
-    lengths = np.diff([*firsts, n]).tolist()
-    return list(zip(r[firsts].tolist(), firsts, lengths, strict=True))
-
-
 def _host_rows(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.stride(1) == 1
-
-
-def _runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int]]:
-    """Split into (first block, first row, length) runs where both advance by one."""
-    block_ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
-    if rows is None:
-        rows = range(len(block_ids))
-    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
-    if len(rows) != len(block_ids):
-        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} rows")
-    i, n = 0, len(block_ids)
-    while i < n:
-        j = i + 1
-        while j < n and block_ids[j] == block_ids[j - 1] + 1 and rows[j] == rows[j - 1] + 1:
-            j += 1
-        yield block_ids[i], rows[i], j - i
-        i = j

@@ -1,7 +1,7 @@
 """``mooncake``: the producer's pool is registered with a Mooncake Transfer Engine; a
 consumer READs it straight into its own KV memory.
 
-The served pool of ``tcp``/``shm``/``nixl`` (:mod:`kvmux.net.served_pool`) with
+The served pool of ``tcp``/``shm``/``nixl`` (:mod:`kvmux.pool`) with
 Mooncake's Transfer Engine (TE) as the data path. ``save`` copies blocks into
 the pool (so the engine may reuse its blocks once the handle ends); the pool is
 one tensor registered with this instance's engine. A consumer registers its KV
@@ -24,7 +24,7 @@ see :mod:`kvmux.net.mooncake_engine` for why and for the one caveat (a frozen
 peer's late writes). TE listens on ``0.0.0.0`` whatever ``te_host`` says.
 
 A producer restarted on its control port is told apart by its incarnation
-(:mod:`kvmux.net.served_pool`), before TE is asked for anything. TE itself
+(:mod:`kvmux.pool.peer`), before TE is asked for anything. TE itself
 keeps the dead engine's segment descriptor (its Python API has no call to
 drop one); the new engine listens on a new random RPC port, a segment name of
 its own, and every read's addresses come from the new producer's reply.
@@ -35,18 +35,22 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.addressing import BlockAddressing
 from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError
 from kvmux.net.advertise import advertised_host
 from kvmux.net.client import Link
+from kvmux.net.messages import PinReply
 from kvmux.net.mooncake_engine import MooncakeEngine
 from kvmux.net.mooncake_messages import MooncakeLocateReply
-from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
+from kvmux.pool.config import PinnedPoolConfig
+from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.served import ServedPoolBackend
+from kvmux.pool.store import PoolStore
 
 
 class MooncakeConfig(PinnedPoolConfig):
@@ -74,83 +78,46 @@ class MooncakeConfig(PinnedPoolConfig):
     )
 
 
-class MooncakeBackend(PinnedPoolBackend):
-    """Pool registered with TE + control server + one-batch READ puller."""
+class MooncakeTransport(PinnedTransport):
+    """Pool registered with TE; the consumer READs it in one batch."""
 
-    config_model = MooncakeConfig
     config: MooncakeConfig
     service = "mooncake"
     reply_type = MooncakeLocateReply
-    capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(self, config: MooncakeConfig, store: PoolStore) -> None:
+        super().__init__(config, store)
         self._pool_base = 0
-        self._pieces: list[tuple[int, int, int]] = []
-        """Per piece of a serialized block: (address of piece 0, stride, length)."""
-        # The engine exists before the server answers its first request.
+        self._addressing: BlockAddressing | None = None
         te_host = config.te_host or advertised_host(config.host, config.advertise)
-        self._engine = MooncakeEngine(
+        self.engine = MooncakeEngine(
             te_host, config.protocol, config.device_name, config.max_queued_per_peer
         )
-        try:
-            super().__init__(config)
-        except BaseException:
-            self._engine.close()
-            raise
 
     # ------------------------------------------------------------------ memory
 
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+    def register(self, blocks: BlockCopier) -> None:
+        layout, caches = blocks.layout, blocks.caches
+        addressing = BlockAddressing.of(layout, caches)
+        if addressing is None:
+            raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
+        super().register(blocks)
+        self.engine.register([caches[spec.name] for spec in layout.layers])
+        self._addressing = addressing
+
+    def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
-        self._engine.register([pool])
+        self.engine.register([pool])
         self._pool_base = pool.data_ptr()
         return pool
 
-    def register(self, blocks: BlockCopier) -> None:
-        layout, caches = blocks.layout, blocks.caches
-        tensors = [caches[spec.name] for spec in layout.layers]
-        if not all(t.is_contiguous() for t in tensors):
-            raise LayoutError("mooncake needs contiguous KV tensors (it reads into them directly)")
-        super().register(blocks)
-        self._engine.register(tensors)
-        pieces = []
-        for spec, tensor in zip(layout.layers, tensors, strict=True):
-            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
-            seg = spec.block_nbytes // outer
-            for j in range(outer):
-                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg))
-        self._pieces = pieces
-
-    def _runs(self, blocks: Rows, rows: Rows, base: int) -> tuple[list[int], list[int], list[int]]:
-        """(local, remote, length) of one batch READ: every piece of every block, runs
-        contiguous on both sides merged into one range (fewer TE requests)."""
-        b = np.asarray(blocks, dtype=np.uint64)
-        r = np.asarray(rows, dtype=np.uint64)
-        row_nbytes = np.uint64(self.copier.block_nbytes)
-        local, remote, lengths = [], [], []
-        offset = 0
-        # Block-major order: a block's pieces are adjacent in the pool row.
-        for start, stride, length in self._pieces:
-            local.append(np.uint64(start) + b * np.uint64(stride))
-            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
-            lengths.append(np.full(len(b), length, dtype=np.uint64))
-            offset += length
-        lo = np.stack(local, axis=1).reshape(-1)
-        re_ = np.stack(remote, axis=1).reshape(-1)
-        ln = np.stack(lengths, axis=1).reshape(-1)
-        starts = np.ones(len(lo), dtype=bool)
-        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
-        first = np.flatnonzero(starts)
-        run_len = np.add.reduceat(ln, first)
-        return lo[first].tolist(), re_[first].tolist(), run_len.tolist()
-
     # ---------------------------------------------------------------- producer
 
-    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return MooncakeLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
-            te_port=self._engine.port,
+            te_port=self.engine.port,
             base=self._pool_base,
             slots=slots,
             block_nbytes=block_nbytes,
@@ -159,28 +126,36 @@ class MooncakeBackend(PinnedPoolBackend):
 
     # ---------------------------------------------------------------- consumer
 
-    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
+    def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, MooncakeLocateReply)
-        local, remote, lengths = self._runs(blocks, rows, reply.base)
-        self._engine.read(
+        assert self._addressing is not None
+        # Coalesced ranges (:meth:`BlockAddressing.runs`): fewer TE requests.
+        runs = self._addressing.runs(blocks, rows, reply.base)
+        self.engine.read(
             f"{link.endpoint[0]}:{reply.te_port}",
-            local,
-            remote,
-            lengths,
+            runs.local.tolist(),
+            runs.remote.tolist(),
+            runs.nbytes.tolist(),
             timeout_s=until - time.monotonic(),
         )
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
-        with self._lock:
-            out["mooncake_pinned_slots"] = self._slots.pinned
-        return out
+        with self.store.lock:
+            return {"mooncake_pinned_slots": self.store.slots.pinned}
 
     def address(self) -> dict[str, Any]:
-        return {**super().address(), "te_port": self._engine.port}
+        return {"te_port": self.engine.port}
 
     def close(self) -> None:
-        super().close()
-        self._engine.close()
+        self.engine.close()
+
+
+class MooncakeBackend(ServedPoolBackend):
+    """The served pool registered with a Transfer Engine, read with batch READs."""
+
+    config_model = MooncakeConfig
+    config: MooncakeConfig
+    transport_type = MooncakeTransport
+    capabilities = Capabilities(p2p=True, zero_copy=True, capacity_bound=True)

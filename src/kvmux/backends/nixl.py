@@ -1,8 +1,8 @@
 """``nixl``: the producer's pool is registered with NIXL; a consumer READs it straight
 into its own KV memory.
 
-The served pool of ``tcp``/``shm`` (:mod:`kvmux.net.served_pool`) with NIXL as the
-data path. ``save`` copies blocks into the pool (so the engine may reuse its
+The served pool of ``tcp``/``shm`` (:mod:`kvmux.pool`) with NIXL as the data
+path. ``save`` copies blocks into the pool (so the engine may reuse its
 blocks once the handle ends); the pool is one tensor registered with this
 instance's NIXL agent. A consumer registers its KV tensors with its own agent
 (DRAM, or VRAM for CUDA tensors), asks the producer over kvmux's validated TCP
@@ -34,15 +34,19 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.addressing import BlockAddressing
 from kvmux.blocks import BlockCopier
 from kvmux.capabilities import Capabilities
 from kvmux.errors import LayoutError, TransferError
 from kvmux.net.client import Link
-from kvmux.net.messages import Unpin
+from kvmux.net.messages import PinReply, Unpin
 from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
 from kvmux.net.nixl_messages import NixlLocateReply
-from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
 from kvmux.net.server import Session
+from kvmux.pool.config import PinnedPoolConfig
+from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.served import ServedPoolBackend
+from kvmux.pool.store import PoolStore
 
 _UNPIN = re.compile(rb"^kvmux-unpin:([0-9]{1,19})$")
 """The notification a consumer's READ delivers to end its lease."""
@@ -70,112 +74,81 @@ class NixlConfig(PinnedPoolConfig):
     )
 
 
-class NixlBackend(PinnedPoolBackend):
-    """Pool registered with NIXL + control server + zero-copy READ puller."""
+class NixlTransport(PinnedTransport):
+    """Pool registered with NIXL; the consumer READs it into its own KV memory."""
 
-    config_model = NixlConfig
     config: NixlConfig
     service = "nixl"
     reply_type = NixlLocateReply
     move_ends_lease = True  # the READ carries the notification that unpins
-    capabilities = Capabilities(
-        p2p=True, zero_copy=True, capacity_bound=True, memory_kinds=frozenset({"cpu", "cuda"})
-    )
 
-    def __init__(self, config: NixlConfig) -> None:
+    def __init__(self, config: NixlConfig, store: PoolStore) -> None:
+        super().__init__(config, store)
         self._pool_base = 0
-        self._pieces: list[tuple[int, int, int, int]] = []
-        """Per piece of a serialized block: (address of piece 0, stride, length, device)."""
+        self._addressing: BlockAddressing | None = None
         self._local_mem = "DRAM"
         self._leases: dict[int, tuple[int, float, Session]] = {}
         """token -> (slot lease, expiry, session): the pins peers hold, by the random
         token they were given (so no peer can end another's pin by guessing)."""
         self._peers: dict[tuple[str, int], str] = {}
         self._peers_lock = threading.Lock()
-        # The agent exists before the server answers its first request.
-        self._agent = NixlAgent(
+        self._metadata = ""
+        """The agent's metadata, base64; taken once all memory is registered (NIXL
+        puts the registrations in it)."""
+        self.agent = NixlAgent(
             config.backends,
             {"UCX": config.ucx_options},
             pump_interval_s=config.pump_interval_s,
             on_notif=self._on_notif,
             on_tick=self._reap_leases,
         )
-        try:
-            super().__init__(config)
-        except BaseException:
-            self._agent.close()
-            raise
-        self._metadata = ""
-        """The agent's metadata, base64; taken once all memory is registered (NIXL
-        puts the registrations in it)."""
 
     # ------------------------------------------------------------------ memory
 
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
-        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
-        self._agent.register([pool])
-        self._pool_base = pool.data_ptr()
-        return pool
-
     def register(self, blocks: BlockCopier) -> None:
         layout, caches = blocks.layout, blocks.caches
-        tensors = [caches[spec.name] for spec in layout.layers]
-        if not all(t.is_contiguous() for t in tensors):
+        addressing = BlockAddressing.of(layout, caches)
+        if addressing is None:
             raise LayoutError("nixl needs contiguous KV tensors (it reads into them directly)")
         super().register(blocks)
-        self._agent.register(tensors)
+        tensors = [caches[spec.name] for spec in layout.layers]
+        self.agent.register(tensors)
         self._local_mem = mem_type(tensors[0].device)
-        self._metadata = base64.b64encode(self._agent.metadata()).decode("ascii")
-        pieces = []
-        for spec, tensor in zip(layout.layers, tensors, strict=True):
-            outer = int(np.prod(spec.shape[: spec.block_dim], dtype=np.int64))
-            seg = spec.block_nbytes // outer
-            device = max(tensor.get_device(), 0)
-            for j in range(outer):
-                pieces.append((tensor.data_ptr() + j * layout.num_blocks * seg, seg, seg, device))
-        self._pieces = pieces
+        self._addressing = addressing
+
+    def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+        pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
+        self.agent.register([pool])
+        self._pool_base = pool.data_ptr()
+        # The KV tensors are registered already (``register`` comes first).
+        self._metadata = base64.b64encode(self.agent.metadata()).decode("ascii")
+        return pool
 
     def _descs(self, blocks: Rows, rows: Rows, base: int) -> tuple[Descs, Descs]:
         """Local and remote descriptor lists of one READ: every piece of every block,
-        runs contiguous on both sides merged into one descriptor."""
-        b = np.asarray(blocks, dtype=np.uint64)
-        r = np.asarray(rows, dtype=np.uint64)
-        row_nbytes = np.uint64(self.copier.block_nbytes)
-        local, remote, lengths, devices = [], [], [], []
-        offset = 0
-        for start, stride, length, device in self._pieces:
-            local.append(np.uint64(start) + b * np.uint64(stride))
-            remote.append(np.uint64(base) + r * row_nbytes + np.uint64(offset))
-            lengths.append(np.full(len(b), length, dtype=np.uint64))
-            devices.append(np.full(len(b), device, dtype=np.uint64))
-            offset += length
-        lo, re_, ln = np.concatenate(local), np.concatenate(remote), np.concatenate(lengths)
-        dev = np.concatenate(devices)
-        # A new run starts wherever either side stops being contiguous.
-        starts = np.ones(len(lo), dtype=bool)
-        starts[1:] = (lo[1:] != lo[:-1] + ln[:-1]) | (re_[1:] != re_[:-1] + ln[:-1])
-        first = np.flatnonzero(starts)
-        run_len = np.add.reduceat(ln, first)
-        loc = np.stack([lo[first], run_len, dev[first]], axis=1)
-        rem = np.stack([re_[first], run_len, np.zeros_like(run_len)], axis=1)
-        return loc, rem
+        coalesced (:meth:`BlockAddressing.runs`)."""
+        assert self._addressing is not None
+        runs = self._addressing.runs(blocks, rows, base)
+        local = np.stack([runs.local, runs.nbytes, runs.device], axis=1)
+        remote = np.stack([runs.remote, runs.nbytes, np.zeros_like(runs.nbytes)], axis=1)
+        return local, remote
 
     # ---------------------------------------------------------------- producer
 
-    def _pin(self, rows: Rows, session: Session) -> int:
+    def pin(self, rows: Rows, session: Session) -> int:
         """Random lease tokens: a NIXL notification names one, so none may be guessable."""
         expires = time.monotonic() + self.config.lease_s
         token = secrets.randbits(62) + 1
-        self._leases[token] = (self._slots.lease(rows, expires), expires, session)
+        self._leases[token] = (self.store.slots.lease(rows, expires), expires, session)
         session.leases.add(token)
-        self._agent.hold()
+        self.agent.hold()
         return token
 
-    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return NixlLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
-            agent=self._agent.name,
+            agent=self.agent.name,
             metadata=self._metadata or None,
             base=self._pool_base,
             slots=slots,
@@ -190,37 +163,37 @@ class NixlBackend(PinnedPoolBackend):
             return
         del self._leases[token]
         entry[2].leases.discard(token)
-        self._slots.end_lease(entry[0])
-        self._agent.unhold()
+        self.store.slots.end_lease(entry[0])
+        self.agent.unhold()
 
-    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
-        with self._lock:
+    def serve_unpin(self, session: Session, msg: Unpin) -> None:
+        with self.store.lock:
             self._end_lease(msg.lease, session)
 
     def _on_notif(self, agent: str, message: bytes) -> None:
         match = _UNPIN.match(message)
         if match is not None:
-            with self._lock:
+            with self.store.lock:
                 self._end_lease(int(match.group(1)))
 
     def _reap_leases(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self.store.lock:
             for token in [t for t, (_, expires, _) in self._leases.items() if expires <= now]:
                 self._end_lease(token)
 
-    def _session_closed(self, session: Session) -> None:
-        with self._lock:
+    def session_closed(self, session: Session) -> None:
+        with self.store.lock:
             for token in list(session.leases):
                 self._end_lease(token, session)
 
     # ---------------------------------------------------------------- consumer
 
-    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
+    def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, NixlLocateReply)
         remote = self._remote_agent(link.endpoint, reply)
         local, remote_descs = self._descs(blocks, rows, reply.base)
-        self._agent.read(
+        self.agent.read(
             remote,
             local,
             self._local_mem,
@@ -248,36 +221,44 @@ class NixlBackend(PinnedPoolBackend):
             if known is not None:
                 del self._peers[endpoint]
                 if known not in self._peers.values():
-                    self._agent.remove_remote(known)
+                    self.agent.remove_remote(known)
             try:
-                name = self._agent.add_remote(metadata)
+                name = self.agent.add_remote(metadata)
             except Exception as exc:  # NIXL raises its own types for bad metadata
                 raise TransferError(f"NIXL refused peer agent {reply.agent}: {exc}") from None
             if name != reply.agent:
-                self._agent.remove_remote(name)
+                self.agent.remove_remote(name)
                 raise TransferError(f"peer metadata names agent {name}, reply {reply.agent}")
             self._peers[endpoint] = name
             return name
 
-    def _forget_peer(self, endpoint: tuple[str, int]) -> None:
+    def forget_peer(self, endpoint: tuple[str, int]) -> None:
         with self._peers_lock:
             name = self._peers.pop(endpoint, None)
             if name is not None and name not in self._peers.values():
-                self._agent.remove_remote(name)
+                self.agent.remove_remote(name)
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, float]:
-        out = super().stats()
-        with self._lock:
-            out["nixl_leases"] = len(self._leases)
-        return out
+        with self.store.lock:
+            return {"nixl_leases": len(self._leases)}
 
     def address(self) -> dict[str, Any]:
-        return {**super().address(), "agent": self._agent.name}
+        return {"agent": self.agent.name}
 
     def close(self) -> None:
-        super().close()
         with self._peers_lock:
             self._peers.clear()
-        self._agent.close()
+        self.agent.close()
+
+
+class NixlBackend(ServedPoolBackend):
+    """The served pool registered with NIXL, read with zero-copy READs."""
+
+    config_model = NixlConfig
+    config: NixlConfig
+    transport_type = NixlTransport
+    capabilities = Capabilities(
+        p2p=True, zero_copy=True, capacity_bound=True, memory_kinds=frozenset({"cpu", "cuda"})
+    )

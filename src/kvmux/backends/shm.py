@@ -27,10 +27,14 @@ from pydantic import Field
 
 from kvmux.errors import TransferError
 from kvmux.net.client import Link
-from kvmux.net.pinned_pool import PinnedPoolBackend, PinnedPoolConfig, PinReply, Rows
+from kvmux.net.messages import PinReply
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
-from kvmux.net.served_pool import PeerAddress
 from kvmux.net.shm_messages import LocateReply
+from kvmux.pool.config import PinnedPoolConfig
+from kvmux.pool.peer import PeerAddress
+from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.served import ServedPoolBackend
+from kvmux.pool.store import PoolStore
 
 _MAPPED_PEERS = 8
 """Producers whose segments stay mapped at once; a mapping pins the producer's memory."""
@@ -43,22 +47,21 @@ class ShmConfig(PinnedPoolConfig):
     )
 
 
-class ShmBackend(PinnedPoolBackend):
-    """Pool in a shared segment + control server + same-host puller."""
+class ShmTransport(PinnedTransport):
+    """Pool in a shared segment; a consumer on this host maps it and copies."""
 
-    config_model = ShmConfig
     config: ShmConfig
     service = "shm"
     reply_type = LocateReply
 
-    def __init__(self, config: ShmConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ShmConfig, store: PoolStore) -> None:
+        super().__init__(config, store)
         self._segment: OwnedSegment | None = None
         self._host_id = host_id()
         self._mapped: OrderedDict[tuple[str, int], MappedSegment] = OrderedDict()
         self._mapped_lock = threading.Lock()
 
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+    def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         self._segment = OwnedSegment(slots, block_nbytes)
         return self._segment.pool
 
@@ -68,14 +71,11 @@ class ShmBackend(PinnedPoolBackend):
         return self._segment.name if self._segment is not None else None
 
     def address(self) -> dict[str, Any]:
-        return {**super().address(), "host_id": self._host_id}
+        return {"host_id": self._host_id}
 
     # ------------------------------------------------------------------ producer
 
-    def _serving(self) -> bool:
-        return self._segment is not None and self._pool is not None
-
-    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         segment = self._segment
         return LocateReply(
             lease=lease,
@@ -90,7 +90,7 @@ class ShmBackend(PinnedPoolBackend):
 
     # ------------------------------------------------------------------ consumer
 
-    def _check_peer(self, peer: PeerAddress) -> None:
+    def check_peer(self, peer: PeerAddress) -> None:
         if peer.host_id != self._host_id:
             raise TransferError(
                 f"the shm peer at {peer.host}:{peer.port} runs on another host or sees "
@@ -98,7 +98,7 @@ class ShmBackend(PinnedPoolBackend):
                 "works within one host: use tcp, or a multi with a tcp child to fall back"
             )
 
-    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
+    def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, LocateReply)
         source = self._mapping(link, reply)
         self.copier.copy_in(blocks.tolist(), source.pool, rows.tolist())
@@ -120,13 +120,20 @@ class ShmBackend(PinnedPoolBackend):
                 self._mapped.popitem(last=False)
         return mapped
 
-    def _forget_peer(self, endpoint: tuple[str, int]) -> None:
+    def forget_peer(self, endpoint: tuple[str, int]) -> None:
         with self._mapped_lock:
             self._mapped.pop(endpoint, None)
 
     def close(self) -> None:
-        super().close()
         with self._mapped_lock:
             self._mapped.clear()
         if self._segment is not None:
             self._segment.close()
+
+
+class ShmBackend(ServedPoolBackend):
+    """The served pool in shared memory, for consumers on this host."""
+
+    config_model = ShmConfig
+    config: ShmConfig
+    transport_type = ShmTransport

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kvmux.addressing import row_runs
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
@@ -26,8 +27,12 @@ from kvmux.net.client import Link
 from kvmux.net.kv_views import KVViews
 from kvmux.net.memory import byte_view
 from kvmux.net.messages import HEADER_SLACK, Blocks, FetchReply, FetchRequest, Message, expect
-from kvmux.net.served_pool import PullInterrupted, ServedPoolBackend, ServedPoolConfig
 from kvmux.net.server import Handler, Session
+from kvmux.pool.config import ServedPoolConfig
+from kvmux.pool.peer import PullInterrupted
+from kvmux.pool.served import ServedPoolBackend
+from kvmux.pool.store import PoolStore
+from kvmux.pool.transport import PullTransport, Refusal
 
 _STAGING_BYTES = 4 * 2**20
 """Per loading thread, for KV memory that cannot be read into directly."""
@@ -37,15 +42,13 @@ class TcpConfig(ServedPoolConfig):
     backend: str = "tcp"
 
 
-class TcpBackend(ServedPoolBackend):
-    """Pool + server + puller over TCP. See the module docstring."""
+class TcpTransport(PullTransport):
+    """Blocks as frames over the control connection itself."""
 
-    config_model = TcpConfig
-    config: TcpConfig
     service = "tcp"
 
-    def __init__(self, config: TcpConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ServedPoolConfig, store: PoolStore) -> None:
+        super().__init__(config, store)
         self._pool_bytes: memoryview | None = None
         self._kv: KVViews | None = None
         self._staging = threading.local()
@@ -60,28 +63,31 @@ class TcpBackend(ServedPoolBackend):
         super().register(blocks)
         self._kv = KVViews.of(layout, blocks.caches)
 
-    def _make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
+    def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         # zeros, not empty: the pages are committed now (the bound is real memory)
         # and no save pays for page faults.
         pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
         self._pool_bytes = byte_view(pool)
         return pool
 
-    def _handlers(self) -> dict[type[Message], Handler]:
-        return {FetchRequest: self._serve_fetch}
-
     # ------------------------------------------------------------------ producer
 
-    def _serve_fetch(self, session: Session, req: FetchRequest) -> None:
-        deadline = time.monotonic() + self.config.timeout_s
-        if self._layout_refused(session):
-            return
+    def handlers(self, refused: Refusal) -> dict[type[Message], Handler]:
+        def serve_fetch(session: Session, req: FetchRequest) -> None:
+            deadline = time.monotonic() + self.config.timeout_s
+            if not refused(session):
+                self._serve_fetch(session, req, deadline)
+
+        return {FetchRequest: serve_fetch}
+
+    def _serve_fetch(self, session: Session, req: FetchRequest, deadline: float) -> None:
         keys = req.block_keys()
-        with self._lock:
-            pool = self._pool_bytes if self._pool is not None else None
-            slots = [self._slots.find(key) if pool is not None else None for key in keys]
+        store = self.store
+        with store.lock:
+            pool = self._pool_bytes if store.pool is not None else None
+            slots = [store.slots.find(key) if pool is not None else None for key in keys]
             found = [slot for slot in slots if slot is not None]
-            self._slots.pin(found)
+            store.slots.pin(found)
         try:
             nbytes = self.copier.block_nbytes if pool is not None else 0
             hits = bytes([slot is not None for slot in slots])
@@ -97,12 +103,12 @@ class TcpBackend(ServedPoolBackend):
                     deadline=deadline,
                 )
         finally:
-            with self._lock:
-                self._slots.unpin(found)
+            with store.lock:
+                store.slots.unpin(found)
 
     # ------------------------------------------------------------------ consumer
 
-    def _pull(
+    def pull(
         self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
     ) -> list[Outcome]:
         chan = link.channel
@@ -183,21 +189,23 @@ class TcpBackend(ServedPoolBackend):
         return staging, view
 
     def close(self) -> None:
-        super().close()
         self._pool_bytes = None
+
+
+class TcpBackend(ServedPoolBackend):
+    """The served pool over TCP. See the module docstring."""
+
+    config_model = TcpConfig
+    config: TcpConfig
+    transport_type = TcpTransport
 
 
 def _rows(pool: memoryview, slots: list[int], nbytes: int) -> list[memoryview]:
     """Views of the pool rows ``slots``, consecutive slots merged into one view."""
-    views: list[memoryview] = []
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        views.append(pool[slots[i] * nbytes : (slots[j - 1] + 1) * nbytes])
-        i = j
-    return views
+    return [
+        pool[first * nbytes : (first + count) * nbytes]
+        for first, _, count in row_runs(slots, len(slots))
+    ]
 
 
 def _outcomes(found: bytes, arrived: int, reason: str) -> list[Outcome]:

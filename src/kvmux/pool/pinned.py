@@ -1,4 +1,4 @@
-"""What ``shm``, ``nixl`` and ``mooncake`` share: pull by locating, pinning, then moving.
+"""PinnedTransport: pull by locating, pinning, then moving (``shm``, ``nixl``, ``mooncake``).
 
 The consumer asks the producer to *locate* the keys; the producer pins the
 slots that hold them under a lease and answers where they are (a shared
@@ -17,29 +17,24 @@ from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import Field
 
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.client import Link
 from kvmux.net.messages import LocateRequest, Message, PinReply, Unpin, expect, pack_rows
-from kvmux.net.served_pool import ServedPoolBackend, ServedPoolConfig
 from kvmux.net.server import Handler, Session
-
-__all__ = ["PinReply", "PinnedPoolBackend", "PinnedPoolConfig", "Rows"]
+from kvmux.pool.config import PinnedPoolConfig
+from kvmux.pool.transport import PullTransport, Refusal
 
 Rows = npt.NDArray[np.int64]
 """Block ids or pool rows of one move, in step with each other."""
 
 
-class PinnedPoolConfig(ServedPoolConfig):
-    lease_s: float = Field(
-        30.0, gt=0, description="longest a consumer's pin holds slots without being ended"
-    )
+class PinnedTransport(PullTransport):
+    """A transport whose consumer moves the bytes itself; subclasses say where the
+    pool is (``locate_reply``) and how bytes move (``move``)."""
 
-
-class PinnedPoolBackend(ServedPoolBackend):
     config: PinnedPoolConfig
     reply_type: ClassVar[type[PinReply]]
     """The backend's locate reply message."""
@@ -48,51 +43,51 @@ class PinnedPoolBackend(ServedPoolBackend):
 
     # ------------------------------------------------------------------ producer
 
-    def _handlers(self) -> dict[type[Message], Handler]:
-        return {LocateRequest: self._serve_locate, Unpin: self._serve_unpin}
+    def handlers(self, refused: Refusal) -> dict[type[Message], Handler]:
+        def serve_locate(session: Session, req: LocateRequest) -> None:
+            if not refused(session):
+                self._serve_locate(session, req)
 
-    def _serving(self) -> bool:
-        """Whether the pool is there to be read (caller holds the lock)."""
-        return self._pool is not None
+        return {LocateRequest: serve_locate, Unpin: self.serve_unpin}
 
     def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        if self._layout_refused(session):
-            return
         keys = req.block_keys()
-        with self._lock:
-            serving = self._serving()
-            rows = self._slots.find_many(keys) if serving else np.full(len(keys), -1)
+        store = self.store
+        with store.lock:
+            serving = store.pool is not None
+            rows = store.slots.find_many(keys) if serving else np.full(len(keys), -1)
             found = rows[rows >= 0]
-            lease = self._pin(found, session) if found.size else 0
-            slots = self._slots.slots
+            lease = self.pin(found, session) if found.size else 0
+            slots = store.slots.slots
         block_nbytes = self.copier.block_nbytes if serving else 0
-        session.send(self._locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
+        session.send(self.locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
 
-    def _pin(self, rows: Rows, session: Session) -> int:
-        """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds the lock."""
-        lease = self._slots.lease(rows, time.monotonic() + self.config.lease_s)
+    def pin(self, rows: Rows, session: Session) -> int:
+        """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds
+        the store's lock."""
+        lease = self.store.slots.lease(rows, time.monotonic() + self.config.lease_s)
         session.leases.add(lease)
         return lease
 
     @abstractmethod
-    def _locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         """The reply: the common fields (``rows`` packed by ``pack_rows``) plus where
         this transport finds the pool."""
 
-    def _serve_unpin(self, session: Session, msg: Unpin) -> None:
+    def serve_unpin(self, session: Session, msg: Unpin) -> None:
         if msg.lease in session.leases:  # only the client that holds a lease may end it
             session.leases.discard(msg.lease)
-            with self._lock:
-                self._slots.end_lease(msg.lease)
+            with self.store.lock:
+                self.store.slots.end_lease(msg.lease)
 
-    def _session_closed(self, session: Session) -> None:
-        with self._lock:
+    def session_closed(self, session: Session) -> None:
+        with self.store.lock:
             for lease in session.leases:
-                self._slots.end_lease(lease)
+                self.store.slots.end_lease(lease)
 
     # ------------------------------------------------------------------ consumer
 
-    def _pull(
+    def pull(
         self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
     ) -> list[Outcome]:
         asked = time.monotonic()
@@ -112,7 +107,7 @@ class PinnedPoolBackend(ServedPoolBackend):
                 raise TransferError(
                     f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
                 )
-            self._move(link, reply, blocks, rows, min(deadline, asked + reply.lease_s))
+            self.move(link, reply, blocks, rows, min(deadline, asked + reply.lease_s))
             moved = True
         finally:
             # A courtesy: a producer that is gone (or drops this connection) ends the
@@ -128,7 +123,7 @@ class PinnedPoolBackend(ServedPoolBackend):
         return _outcomes(hit, OK)
 
     @abstractmethod
-    def _move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
+    def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
 
 

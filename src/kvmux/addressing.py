@@ -1,0 +1,191 @@
+"""Where each block's bytes lie in registered KV memory: the one address calculator.
+
+A block's serialized form (a pool row, a frame, a file; :mod:`kvmux.layout`)
+is every layer's slice of the block, in layer order, each in C order. In a
+contiguous KV tensor that slice is a few fixed-stride byte ranges, the
+block's *pieces*: one per layer when the block dimension comes first, one per
+index of the dimensions before it otherwise (vLLM's ``(2, num_blocks, ...)``
+keeps K and V apart: two pieces). Piece ``j`` of layer ``l`` for block ``b``
+starts at ``base_l + j * num_blocks * nbytes_l + b * nbytes_l``.
+
+Everything that addresses KV memory byte-wise asks :class:`BlockAddressing`:
+the host copy path (:mod:`kvmux.blocks`), socket scatter reads
+(:mod:`kvmux.net.kv_views`) and the descriptor lists of zero-copy READs
+(``nixl``, ``mooncake``). The descriptor lists are coalesced here, once:
+pieces contiguous on both sides (consecutive blocks landing in consecutive
+rows of a single-piece layout, say) become one range, so a transport is handed
+as few requests as the memory allows. :func:`index_runs` and
+:func:`row_runs` find the runs of consecutive block ids and rows that the
+copies themselves batch over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvmux.layout import KVLayout
+
+Ids = Sequence[int] | npt.NDArray[np.int64]
+"""Block ids or rows: a list, or an int64 array (no conversion needed)."""
+
+Addresses = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class LayerAddressing:
+    """One layer's pieces: ``pieces`` ranges of ``piece_nbytes`` bytes per block, piece
+    ``j`` of block ``b`` at ``base + j * piece_stride + b * block_stride``."""
+
+    base: int
+    """Address of the layer tensor's first byte."""
+    pieces: int
+    piece_stride: int
+    block_stride: int
+    piece_nbytes: int
+    row_offset: int
+    """Where the layer's slice starts in a block's serialized row."""
+    device: int
+    """Device index of the memory (0 for host memory)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One byte range of every block: block ``b``'s is ``nbytes`` bytes at ``offset +
+    b * step`` from the start of layer ``layer``'s tensor, and sits ``row_offset``
+    bytes into the block's serialized row."""
+
+    layer: int
+    offset: int
+    step: int
+    nbytes: int
+    row_offset: int
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Coalesced ranges of one transfer between KV memory and rows of a pool: range
+    ``i`` is ``nbytes[i]`` bytes at ``local[i]`` (KV memory, on ``device[i]``) and at
+    ``remote[i]`` (the pool)."""
+
+    local: Addresses
+    remote: Addresses
+    nbytes: Addresses
+    device: Addresses
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+class BlockAddressing:
+    """Byte addresses of every block's pieces in one registered set of contiguous
+    KV tensors (host or device memory). Build it with :meth:`of`."""
+
+    def __init__(self, layout: KVLayout, layers: tuple[LayerAddressing, ...]) -> None:
+        self.layers = layers
+        self.block_nbytes = layout.block_nbytes
+        self.num_blocks = layout.num_blocks
+        self.pieces = tuple(
+            Piece(
+                layer=i,
+                offset=j * la.piece_stride,
+                step=la.block_stride,
+                nbytes=la.piece_nbytes,
+                row_offset=la.row_offset + j * la.piece_nbytes,
+            )
+            for i, la in enumerate(layers)
+            for j in range(la.pieces)
+        )
+        """Every block's byte ranges, in serialized order."""
+        # The same, as vectors for ``runs``.
+        self._start = np.array(
+            [layers[p.layer].base + p.offset for p in self.pieces], dtype=np.uint64
+        )
+        self._step = np.array([p.step for p in self.pieces], dtype=np.uint64)
+        self._length = np.array([p.nbytes for p in self.pieces], dtype=np.uint64)
+        self._row_offset = np.array([p.row_offset for p in self.pieces], dtype=np.uint64)
+        self._device = np.array([layers[p.layer].device for p in self.pieces], dtype=np.uint64)
+
+    @classmethod
+    def of(cls, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> BlockAddressing | None:
+        """The addressing of ``caches`` (as ``layout`` describes them), or None unless
+        every layer is one contiguous tensor: strided memory has no fixed pieces."""
+        layers = []
+        row_offset = 0
+        for spec in layout.layers:
+            tensor = caches[spec.name]
+            if not tensor.is_contiguous():
+                return None
+            pieces = math.prod(spec.shape[: spec.block_dim])
+            piece_nbytes = spec.block_nbytes // pieces
+            layers.append(
+                LayerAddressing(
+                    base=tensor.data_ptr(),
+                    pieces=pieces,
+                    piece_stride=layout.num_blocks * piece_nbytes,
+                    block_stride=piece_nbytes,
+                    piece_nbytes=piece_nbytes,
+                    row_offset=row_offset,
+                    device=max(tensor.get_device(), 0),
+                )
+            )
+            row_offset += spec.block_nbytes
+        return cls(layout, tuple(layers))
+
+    def runs(self, blocks: Ids, rows: Ids, row_base: int) -> Runs:
+        """Every piece of ``blocks[i]`` paired with its place in row ``rows[i]`` of a
+        pool of ``block_nbytes``-wide rows at address ``row_base``, block by block,
+        ranges contiguous on both sides merged into one."""
+        b = np.asarray(blocks, dtype=np.uint64)[:, None]
+        r = np.asarray(rows, dtype=np.uint64)[:, None]
+        local = (self._start + b * self._step).reshape(-1)
+        row_start = np.uint64(row_base) + r * np.uint64(self.block_nbytes)
+        remote = (row_start + self._row_offset).reshape(-1)
+        length = np.broadcast_to(self._length, (len(b), len(self.pieces))).reshape(-1)
+        device = np.broadcast_to(self._device, (len(b), len(self.pieces))).reshape(-1)
+        # A new range starts wherever either side stops being contiguous.
+        starts = np.ones(len(local), dtype=bool)
+        ends = local[:-1] + length[:-1]
+        starts[1:] = (local[1:] != ends) | (remote[1:] != remote[:-1] + length[:-1])
+        first = np.flatnonzero(starts)
+        if len(first) == len(local):
+            return Runs(local, remote, np.ascontiguousarray(length), np.ascontiguousarray(device))
+        return Runs(local[first], remote[first], np.add.reduceat(length, first), device[first])
+
+
+def index_runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int]]:
+    """(first block, first row, length) of each run where block id and row both
+    advance by one (rows default to 0..n-1)."""
+    block_ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
+    if rows is None:
+        rows = range(len(block_ids))
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+    if len(rows) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} rows")
+    i, n = 0, len(block_ids)
+    while i < n:
+        j = i + 1
+        while j < n and block_ids[j] == block_ids[j - 1] + 1 and rows[j] == rows[j - 1] + 1:
+            j += 1
+        yield block_ids[i], rows[i], j - i
+        i = j
+
+
+def row_runs(rows: Ids | None, n: int) -> list[tuple[int, int, int]]:
+    """(first row, first index, length) of each run of consecutive rows among ``n``
+    (rows default to 0..n-1), found with one numpy pass: a batch is thousands of
+    rows, mostly in a few runs."""
+    if rows is None or n == 0:
+        return [(0, 0, n)] if n else []
+    r = np.asarray(rows, dtype=np.int64)
+    if len(r) != n:
+        raise ValueError(f"{n} block ids but {len(r)} rows")
+    starts = np.flatnonzero(np.diff(r) != 1) + 1
+    firsts = [0, *starts.tolist()]
+    lengths = np.diff([*firsts, n]).tolist()
+    return list(zip(r[firsts].tolist(), firsts, lengths, strict=True))

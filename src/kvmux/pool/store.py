@@ -1,0 +1,170 @@
+"""PoolStore: a bounded pool of host memory with the slots and publications over it.
+
+The pool is one preallocated ``[slots, block_nbytes]`` tensor, so capacity is
+a hard bound by construction (never exceeded, not even transiently) and
+saving a block is one copy into a free slot. Least recently used blocks are
+evicted to make room; pinned slots (a peer reading, a publication) never are.
+``cpu`` is this store alone; the served backends serve it to peers
+(:mod:`kvmux.pool`), whose server reads ``slots`` under ``lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvmux.blocks import BlockCopier
+from kvmux.errors import CapacityError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
+from kvmux.publications import Publications
+from kvmux.slots import PinnedSlots
+
+MakePool = Callable[[int, int], torch.Tensor]
+"""``(slots, block_nbytes)`` -> the ``[slots, block_nbytes]`` uint8 pool tensor."""
+
+
+def host_pool(slots: int, block_nbytes: int) -> torch.Tensor:
+    """Plain host memory. Pages are committed on first write, so an idle pool costs
+    no memory and creating one costs no time."""
+    return torch.empty((slots, block_nbytes), dtype=torch.uint8)
+
+
+class PoolStore:
+    """Slots of one pool tensor, keyed by :class:`BlockKey`. Thread-safe; ``lock``
+    guards ``pool``, ``slots`` and the publications for whoever reads them too."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.lock = threading.Lock()
+        self.pool: torch.Tensor | None = None
+        """None until ``open`` and after ``close``: nothing to serve then."""
+        self.slots = PinnedSlots(0)
+        self._publications = Publications()
+        self._copier: BlockCopier | None = None
+
+    def open(self, blocks: BlockCopier, make_pool: MakePool = host_pool) -> None:
+        """Size the pool for ``blocks``' layout and make it with ``make_pool``."""
+        layout = blocks.layout
+        slots = self.capacity_bytes // layout.block_nbytes
+        if slots == 0:
+            raise CapacityError(
+                f"capacity_bytes={self.capacity_bytes} holds no block of "
+                f"{layout.block_nbytes} bytes"
+            )
+        pool = make_pool(slots, layout.block_nbytes)
+        with self.lock:
+            self._copier = blocks
+            self.pool = pool
+            self.slots = PinnedSlots(slots)
+            self._publications.clear()
+
+    def lookup(self, keys: list[BlockKey]) -> int:
+        with self.lock:
+            return self.slots.prefix(keys)
+
+    def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        pool, copier = self.pool, self._copier
+        assert pool is not None and copier is not None
+        outcomes: list[Outcome] = [OK] * len(keys)
+        with self.lock:
+            now = time.monotonic()
+            self.slots.reap(now)
+            self._publications.reap(self.slots, now)
+            # Keys stored already need no copy (same key, same content). They are
+            # touched first, so no new key of the batch evicts them.
+            new = np.flatnonzero(self.slots.keep_many(keys) < 0)
+            if 0 < len(new) < len(keys):
+                picked = new.tolist()
+                new_keys = list(map(keys.__getitem__, picked))
+                blocks = list(map(block_ids.__getitem__, picked))
+                saved = self._place_and_copy(copier, pool, new_keys, blocks)
+                self.slots.touch(keys)  # LRU order = batch order again
+            else:
+                saved = self._place_and_copy(copier, pool, keys, block_ids) if len(new) else 0
+        unplaced = new[saved:].tolist()
+        if unplaced:
+            error = failed("every pool slot is pinned (peers reading, or published blocks)")
+            for i in unplaced:
+                outcomes[i] = error
+        return outcomes
+
+    def _place_and_copy(
+        self, copier: BlockCopier, pool: torch.Tensor, keys: list[BlockKey], block_ids: list[int]
+    ) -> int:
+        """Give the new ``keys`` slots and copy their blocks in; how many leading keys
+        got one (the rest found every slot pinned). Caller holds the lock.
+
+        Pinned slots and the slots written by this batch are protected, so a batch
+        larger than the pool evicts its own oldest blocks last, never mid-copy
+        (the slots placed so far are copied before they become fair game), and
+        never a slot a peer is reading."""
+        done = 0
+        while done < len(keys):
+            rows = self.slots.allocate_many(keys[done:], self.slots.protected())
+            if not rows:
+                break
+            copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
+            done += len(rows)
+        return done
+
+    def load(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        pool, copier = self.pool, self._copier
+        assert pool is not None and copier is not None
+        with self.lock:
+            rows = self.slots.find_many(keys)
+            hit = rows >= 0
+            blocks = np.asarray(block_ids, dtype=np.int64)[hit]
+            copier.copy_in(blocks, pool, rows[hit])
+        if len(blocks) == len(keys):
+            return [OK] * len(keys)
+        return [OK if h else MISSING for h in hit.tolist()]
+
+    def release(self, keys: list[BlockKey]) -> None:
+        with self.lock:
+            for key in keys:
+                self.slots.release(key)
+
+    # ------------------------------------------------------------ publications
+
+    def publish(self, keys: list[BlockKey], lease: str, lease_s: float) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self._publications.reap(self.slots, now)
+            rows = self.slots.find_many(keys)
+            self._publications.publish(self.slots, lease, rows[rows >= 0], lease_s, now)
+
+    def renew(self, leases: list[str]) -> int:
+        """Extend these of this pool's leases; how many it held."""
+        with self.lock:
+            now = time.monotonic()
+            self._publications.reap(self.slots, now)
+            return self._publications.renew(leases, now)
+
+    def unpublish(self, leases: list[str]) -> int:
+        """End these of this pool's leases; how many it held."""
+        with self.lock:
+            return self._publications.release(self.slots, leases)
+
+    # ------------------------------------------------------------------ levels
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            self._publications.reap(self.slots, time.monotonic())
+            return {
+                "blocks_stored": len(self.slots),
+                "capacity_blocks": self.slots.slots,
+                "evictions": self.slots.evictions,
+                "pinned_blocks": self.slots.pinned,
+                **self._publications.counts(),
+            }
+
+    def close(self) -> None:
+        with self.lock:
+            self.pool = None
+            self.slots = PinnedSlots(0)
+            self._publications.clear()
