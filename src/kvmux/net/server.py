@@ -260,8 +260,9 @@ class FrameServer:
                 except TransferTimeout:
                     if chan.broken:
                         raise  # a frame started, then stalled
-                    with self._lock:
+                    with self._lock:  # counted and gone at once: readers see both or neither
                         self.idle_closed += 1
+                        self._channels.discard(chan)
                     log.debug(
                         "kvmux %s: closing %s, idle for %.0f s", self._service, chan.peer, idle_s
                     )
