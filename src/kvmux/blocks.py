@@ -43,6 +43,7 @@ class BlockCopier:
         self.caches = caches
         """The engine's KV tensors, for backends that map or register them."""
         self.block_nbytes = layout.block_nbytes
+        self.num_blocks = layout.num_blocks
         # (uint8 view of the layer, its block dim, byte offset in a row, bytes per block)
         self._layers: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
@@ -62,10 +63,6 @@ class BlockCopier:
                 (addressing.layers[p.layer].base + p.offset, p.step, p.row_offset, p.nbytes)
                 for p in addressing.pieces
             )
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
 
     def copy_out(self, block_ids: Ids, dst: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy blocks ``block_ids`` into ``dst[rows[i]]`` (rows default to 0..n-1)."""
