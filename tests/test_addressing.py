@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmux.addressing import BlockAddressing, index_runs, row_runs
+from kvmux.addressing import SMALL_BATCH, BlockAddressing, index_runs, row_runs
 from kvmux.blocks import BlockCopier
 from kvmux.layout import KVLayout
 
@@ -124,3 +124,17 @@ def test_row_runs_give_first_row_first_index_and_length() -> None:
     assert row_runs([4, 5, 6, 0, 9, 10], 6) == [(4, 0, 3), (0, 3, 1), (9, 4, 2)]
     assert row_runs(None, 5) == [(0, 0, 5)]
     assert row_runs([], 0) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, SMALL_BATCH - 1, SMALL_BATCH, 40])
+def test_row_runs_split_where_rows_stop_advancing_at_every_batch_size(n: int) -> None:
+    rng = np.random.default_rng(n)
+    for _ in range(50):
+        rows = np.cumsum(rng.integers(1, 3, size=n)).astype(np.int64)
+        rng.shuffle(rows[: n // 2])
+        as_list = rows.tolist()
+        # index_runs over blocks that always advance splits only where the rows stop
+        expected = [(row, first, k) for first, row, k in index_runs(list(range(n)), as_list)]
+        assert row_runs(as_list, n) == expected
+        assert row_runs(rows, n) == expected
+        assert all(type(v) is int for run in row_runs(rows, n) for v in run)

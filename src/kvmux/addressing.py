@@ -176,16 +176,35 @@ def index_runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int
         i = j
 
 
+SMALL_BATCH = 16
+"""Below this many rows, a Python walk beats numpy's per-call set-up (~1 µs a call,
+several calls): a one-block batch is where a transfer's fixed cost shows."""
+
+
 def row_runs(rows: Ids | None, n: int) -> list[tuple[int, int, int]]:
     """(first row, first index, length) of each run of consecutive rows among ``n``
     (rows default to 0..n-1), found with one numpy pass: a batch is thousands of
-    rows, mostly in a few runs."""
+    rows, mostly in a few runs. A few rows are walked in Python instead (same
+    runs)."""
     if rows is None or n == 0:
         return [(0, 0, n)] if n else []
+    if len(rows) != n:
+        raise ValueError(f"{n} block ids but {len(rows)} rows")
+    if n < SMALL_BATCH:
+        return _short_row_runs(rows.tolist() if isinstance(rows, np.ndarray) else list(rows))
     r = np.asarray(rows, dtype=np.int64)
-    if len(r) != n:
-        raise ValueError(f"{n} block ids but {len(r)} rows")
     starts = np.flatnonzero(np.diff(r) != 1) + 1
     firsts = [0, *starts.tolist()]
     lengths = np.diff([*firsts, n]).tolist()
     return list(zip(r[firsts].tolist(), firsts, lengths, strict=True))
+
+
+def _short_row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """:func:`row_runs` of a short list, walked in Python."""
+    runs = []
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((int(rows[start]), start, i - start))
+            start = i
+    return runs

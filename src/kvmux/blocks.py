@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmux.addressing import BlockAddressing, Ids, index_runs, row_runs
+from kvmux.addressing import SMALL_BATCH, BlockAddressing, Ids, index_runs, row_runs
 from kvmux.layout import KVLayout
 
 _VECTOR_MIN_RUN = 4
@@ -43,6 +43,7 @@ class BlockCopier:
         self.caches = caches
         """The engine's KV tensors, for backends that map or register them."""
         self.block_nbytes = layout.block_nbytes
+        self.num_blocks = layout.num_blocks
         # (uint8 view of the layer, its block dim, byte offset in a row, bytes per block)
         self._layers: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
@@ -54,10 +55,14 @@ class BlockCopier:
         self._host = addressing.layers if addressing is not None else None
         """Address arithmetic of every layer, or None unless all are contiguous host
         tensors (then the torch path is the safe one)."""
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
+        self._pieces: tuple[tuple[int, int, int, int], ...] = ()
+        """(address for block 0, bytes to the next block, offset in a row, bytes) of
+        every piece, in row order: what ``_memmove`` walks, computed once."""
+        if addressing is not None:
+            self._pieces = tuple(
+                (addressing.layers[p.layer].base + p.offset, p.step, p.row_offset, p.nbytes)
+                for p in addressing.pieces
+            )
 
     def copy_out(self, block_ids: Ids, dst: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy blocks ``block_ids`` into ``dst[rows[i]]`` (rows default to 0..n-1)."""
@@ -134,21 +139,16 @@ class BlockCopier:
     def _memmove(
         self, block_ids: Ids, rows_tensor: torch.Tensor, first_row: int, *, to_rows: bool
     ) -> None:
-        assert self._host is not None
         row_stride = rows_tensor.stride(0)
         row_addr = rows_tensor.data_ptr() + first_row * row_stride
         move = ctypes.memmove
         for block in map(int, block_ids):  # ctypes takes Python ints only
-            for layer in self._host:
-                kv = layer.base + block * layer.block_stride
-                flat = row_addr + layer.row_offset
-                seg = layer.piece_nbytes
-                for j in range(layer.pieces):
-                    a, b = kv + j * layer.piece_stride, flat + j * seg
-                    if to_rows:
-                        move(b, a, seg)
-                    else:
-                        move(a, b, seg)
+            for start, step, row_offset, nbytes in self._pieces:
+                kv, flat = start + block * step, row_addr + row_offset
+                if to_rows:
+                    move(flat, kv, nbytes)
+                else:
+                    move(kv, flat, nbytes)
             row_addr += row_stride
 
     def _check_rows(self, tensor: torch.Tensor, block_ids: Ids, rows: Ids | None) -> None:
@@ -188,10 +188,12 @@ _pool_lock = threading.Lock()
 def _run_split(tasks: list[Callable[[], None]], nbytes: int) -> None:
     """Run ``tasks`` in order, or split across threads when the batch is big enough
     for a thread hop to pay off."""
+    if nbytes < _PARALLEL_MIN_BYTES or len(tasks) < 2:
+        _run_all(tasks)
+        return
     workers = min(torch.get_num_threads(), len(tasks))
-    if nbytes < _PARALLEL_MIN_BYTES or workers < 2:
-        for task in tasks:
-            task()
+    if workers < 2:
+        _run_all(tasks)
         return
     global _pool
     with _pool_lock:
@@ -211,11 +213,14 @@ def _run_all(tasks: list[Callable[[], None]]) -> None:
 
 def _bounds(values: Ids) -> tuple[int, int]:
     """(min, max) of a non-empty list or array, each at C speed (the builtins
-    would iterate a numpy array element by element)."""
+    would iterate a numpy array element by element; a few elements cost less as a
+    list than two numpy reductions)."""
     if isinstance(values, np.ndarray):
-        return int(values.min()), int(values.max())
+        if len(values) >= SMALL_BATCH:
+            return int(values.min()), int(values.max())
+        values = values.tolist()
     return min(values), max(values)
 
 
 def _host_rows(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.stride(1) == 1
+    return tensor.is_cpu and tensor.stride(1) == 1

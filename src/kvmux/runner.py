@@ -147,16 +147,17 @@ class Runner:
         if on_error is not None:
             work = _reporting(work, on_error)
         block_nbytes = backend.copier.block_nbytes
+        counters = backend.counters
         if lane is None and backend.inline:
             handle = Handle.from_call(keys, _now, work, block_nbytes)
-        else:
-            width = backend.workers if lane is None else backend.lane_width
-            guarded = _unless_expired(len(keys), work, deadline, backend.config.timeout_s)
-            lanes = backend.lanes
-            handle = Handle.from_call(
-                keys, lambda fn: lanes.submit(lane, fn, width), guarded, block_nbytes
-            )
-        counters = backend.counters
+            counters.record(op, handle.result())  # done already: no callback to hang
+            return handle
+        width = backend.workers if lane is None else backend.lane_width
+        guarded = _unless_expired(len(keys), work, deadline, backend.config.timeout_s)
+        lanes = backend.lanes
+        handle = Handle.from_call(
+            keys, lambda fn: lanes.submit(lane, fn, width), guarded, block_nbytes
+        )
         handle.add_done_callback(lambda r: counters.record(op, r))
         return handle
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
 
-from kvmux.handle import Status, TransferResult
+from kvmux.handle import OK, Status, TransferResult
 
 LEVELS: Final[Mapping[str, str]] = MappingProxyType(
     {
@@ -59,18 +59,42 @@ class Stats:
 
     def record(self, op: str, result: TransferResult) -> None:
         """Fold one finished save or load into the counters."""
-        statuses = Counter(o.status for o in result.outcomes)
+        outcomes = result.outcomes
+        ok = outcomes.count(OK)
+        if ok == len(outcomes):  # the usual batch: no per-outcome walk
+            missing = failed = 0
+        else:
+            statuses = Counter(o.status for o in outcomes)
+            ok, missing, failed = (
+                statuses[Status.OK],
+                statuses[Status.MISSING],
+                statuses[Status.FAILED],
+            )
+        names = _NAMES.get(op) or _names(op)
+        counts = self._counts
         with self._lock:
-            self._counts[f"{op}_calls"] += 1
-            self._counts[f"{op}_blocks_ok"] += statuses[Status.OK]
-            self._counts[f"{op}_blocks_missing"] += statuses[Status.MISSING]
-            self._counts[f"{op}_blocks_failed"] += statuses[Status.FAILED]
-            self._counts[f"{op}_bytes"] += result.nbytes
-            name = f"{op}_seconds"
-            self._seconds[name] = self._seconds.get(name, 0.0) + result.seconds
+            counts[names[0]] += 1
+            counts[names[1]] += ok
+            counts[names[2]] += missing
+            counts[names[3]] += failed
+            counts[names[4]] += result.nbytes
+            self._seconds[names[5]] = self._seconds.get(names[5], 0.0) + result.seconds
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self._counts)
             out.update(self._seconds)
         return out
+
+
+_NAMES: dict[str, tuple[str, ...]] = {}
+"""The counter names of each op, formatted once (``record`` runs per transfer)."""
+
+
+def _names(op: str) -> tuple[str, ...]:
+    names = tuple(
+        f"{op}_{what}"
+        for what in ("calls", "blocks_ok", "blocks_missing", "blocks_failed", "bytes", "seconds")
+    )
+    _NAMES[op] = names
+    return names
