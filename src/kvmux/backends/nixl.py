@@ -20,8 +20,7 @@ completes the request only once the active message is delivered), so every
 load waited for the producer's pump, ~1 ms a batch; a READ without one is done
 as soon as the bytes are in (UCX's ``cma`` reads the producer's memory with no
 help from it), which is what raw NIXL measures. The ``unpin`` costs one send
-and no round trip. The agent's metadata (kilobytes) goes once per connection,
-with its first pin, not in every locate reply.
+and no round trip.
 
 Never wrong bytes and never a hang: the consumer waits at most ``timeout_s``
 (and never past the lease, counted from before it asked), then cancels the
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import secrets
 import threading
 import time
 from typing import Any
@@ -92,12 +90,9 @@ class NixlTransport(PinnedTransport):
         self._pool_base = 0
         self._addressing: BlockAddressing | None = None
         self._local_mem = "DRAM"
-        self._leases: dict[int, tuple[int, float, Session]] = {}
-        """token -> (slot lease, expiry, session): the pins peers hold, by the random
-        token they were given (unguessable, as lease ids shown to peers are)."""
-        self._told: set[Session] = set()
-        """Sessions already sent this agent's metadata (with a pin, so the consumer
-        added the agent, or failed and dropped the connection)."""
+        self._leases: dict[int, tuple[float, Session]] = {}
+        """slot lease -> (expiry, session): the pins peers hold, each ended by its
+        own session's ``unpin`` (or connection), or at its expiry."""
         self._peers: dict[tuple[str, int], str] = {}
         self._peers_lock = threading.Lock()
         self._metadata = ""
@@ -143,46 +138,35 @@ class NixlTransport(PinnedTransport):
     # ---------------------------------------------------------------- producer
 
     def pin(self, rows: Rows, session: Session) -> int:
-        """Random lease tokens: a NIXL notification names one, so none may be guessable."""
+        """The base pin, expired by this transport's pump and keeping it progressing
+        while held (a new peer's first READ waits for this agent's answer: UCX's wire-up)."""
         expires = time.monotonic() + self.config.lease_s
-        token = secrets.randbits(62) + 1
-        self._leases[token] = (self.store.slots.lease(rows, expires), expires, session)
-        session.leases.add(token)
+        lease = self.store.slots.lease(rows, expires)
+        self._leases[lease] = (expires, session)
+        session.leases.add(lease)
         self.agent.hold()
-        return token
+        return lease
 
     def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
         return NixlLocateReply(
             lease=lease,
             lease_s=self.config.lease_s,
             agent=self.agent.name,
-            metadata=self._metadata_for(lease),
+            metadata=self._metadata or None,
             base=self._pool_base,
             slots=slots,
             block_nbytes=block_nbytes,
             rows=rows,
         )
 
-    def _metadata_for(self, lease: int) -> str | None:
-        """The metadata, unless this pin's session was sent it with an earlier pin.
-        No pin (nothing found): the consumer moves nothing and needs none."""
-        if not lease or not self._metadata:
-            return None
+    def _end_lease(self, lease: int, session: Session | None = None) -> None:
+        """Unpin ``lease``'s slots (only for ``session`` if given). Caller holds the lock."""
         entry = self._leases.get(lease)
-        if entry is not None:
-            if entry[2] in self._told:
-                return None
-            self._told.add(entry[2])
-        return self._metadata
-
-    def _end_lease(self, token: int, session: Session | None = None) -> None:
-        """Unpin ``token``'s slots (only for ``session`` if given). Caller holds the lock."""
-        entry = self._leases.get(token)
-        if entry is None or (session is not None and entry[2] is not session):
+        if entry is None or (session is not None and entry[1] is not session):
             return
-        del self._leases[token]
-        entry[2].leases.discard(token)
-        self.store.slots.end_lease(entry[0])
+        del self._leases[lease]
+        entry[1].leases.discard(lease)
+        self.store.slots.end_lease(lease)
         self.agent.unhold()
 
     def serve_unpin(self, session: Session, msg: Unpin) -> None:
@@ -192,14 +176,13 @@ class NixlTransport(PinnedTransport):
     def _reap_leases(self) -> None:
         now = time.monotonic()
         with self.store.lock:
-            for token in [t for t, (_, expires, _) in self._leases.items() if expires <= now]:
-                self._end_lease(token)
+            for lease in [i for i, (expires, _) in self._leases.items() if expires <= now]:
+                self._end_lease(lease)
 
     def session_closed(self, session: Session) -> None:
         with self.store.lock:
-            self._told.discard(session)
-            for token in list(session.leases):
-                self._end_lease(token, session)
+            for lease in list(session.leases):
+                self._end_lease(lease, session)
 
     # ---------------------------------------------------------------- consumer
 
