@@ -139,7 +139,8 @@ class NixlTransport(PinnedTransport):
 
     def pin(self, rows: Rows, session: Session) -> int:
         """The base pin, expired by this transport's pump and keeping it progressing
-        while held (a new peer's first READ waits for this agent's answer: UCX's wire-up)."""
+        while held: a new peer's first READ waits for this agent's answer (UCX's
+        wire-up), and over UCX's ``tcp`` (no one-sided reads) every READ does."""
         expires = time.monotonic() + self.config.lease_s
         lease = self.store.slots.lease(rows, expires)
         self._leases[lease] = (expires, session)
