@@ -16,7 +16,7 @@ Conversation of the pool connectors (``tcp``, ``shm``, ``nixl``, ``mooncake``)::
     client → fetch        server → fetch_reply, then blocks frames (tcp)
     client → locate       server → locate_reply; client copies; client → unpin (shm)
     client → locate       server → nixl_locate_reply; client READs over NIXL;
-                          a NIXL notification (or, on failure, unpin) ends the pin (nixl)
+                          client → unpin (nixl)
     client → locate       server → mooncake_locate_reply; client READs over the
                           Mooncake Transfer Engine; client → unpin (mooncake)
     client → renew        server → lease_reply (a consumer still coming for a publication)

@@ -3,14 +3,16 @@
 NIXL's Python agent can run a progress thread, but it polls with no delay:
 every idle agent burns a whole core (on a 2-core machine two agents halve
 everyone's speed). Turned off, someone else must make progress for the side
-being read, or a READ never completes. kvmux knows when that is: a producer's
-slots are read only between a ``locate`` (which pins them) and the consumer's
-notification (which unpins them). So :class:`NixlAgent` runs NIXL with its
-progress thread off and its own *pump* thread that progresses the agent (by
-draining notifications) only while :meth:`NixlAgent.hold` counts outstanding
-pins, every ``pump_interval_s``, and once a second otherwise (``on_tick`` runs
-after each round: the producer expires leases there). The consumer
-makes its own progress by polling its transfer with a short back-off.
+being read whenever it must answer (UCX's connection wire-up, and any
+notification: a READ carrying one is not done until the reader's peer took it
+in, which is why kvmux's READs carry none). kvmux knows when that can be: a
+producer's slots are read only between a ``locate`` (which pins them) and the
+consumer's ``unpin``. So :class:`NixlAgent` runs NIXL with its progress thread
+off and its own *pump* thread that progresses the agent (by draining
+notifications) only while :meth:`NixlAgent.hold` counts outstanding pins, every
+``pump_interval_s``, and once a second otherwise (``on_tick`` runs after each
+round: the producer expires leases there). The consumer makes its own progress
+by polling its transfer with a short back-off.
 
 Every call into NIXL goes through one lock: the agent is created without
 NIXL's own thread synchronisation, and none of these calls blocks for long.
@@ -38,10 +40,12 @@ log = logging.getLogger(__name__)
 
 Descs = npt.NDArray[np.uint64]
 """``[N, 3]`` rows of (address, length, device id): a NIXL descriptor list."""
-NotifHandler = Callable[[str, bytes], None]
 
 _IDLE_PUMP_S = 1.0
 """Progress cadence with no pin outstanding: drains stray notifications, costs nothing."""
+_POLL_MAX_S = 2e-4
+"""Longest sleep between two looks at a READ in flight: what a READ may wait past
+its completion (a 64 MiB READ takes a few ms; a small one is done at once)."""
 
 
 def mem_type(device: torch.device) -> str:
@@ -90,7 +94,6 @@ class NixlAgent:
         options: Mapping[str, Mapping[str, str]],
         *,
         pump_interval_s: float,
-        on_notif: NotifHandler,
         on_tick: Callable[[], None] = lambda: None,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -108,7 +111,6 @@ class NixlAgent:
             self._agent.create_backend(backend, dict(options.get(backend, {})))
         self._registered: list[Any] = []
         self._remote: set[str] = set()
-        self._on_notif = on_notif
         self._on_tick = on_tick
         self._pump_interval_s = pump_interval_s
         self._cond = threading.Condition()
@@ -156,13 +158,13 @@ class NixlAgent:
         local_mem: str,
         remote_descs: Descs,
         *,
-        notif: bytes,
         deadline: float,
     ) -> None:
         """One READ of every ``remote_descs`` row into the ``local`` row beside it,
-        with ``notif`` delivered to the remote agent on completion. Returns once
-        done; raises TransferError (NIXL reported an error) or TransferTimeout
-        (not done by ``deadline``: the request is cancelled)."""
+        with no notification (one would make the READ wait for the remote agent's
+        progress). Returns once done; raises TransferError (NIXL reported an
+        error) or TransferTimeout (not done by ``deadline``: the request is
+        cancelled)."""
         handle: Any = None
         try:
             with self._lock:
@@ -171,15 +173,14 @@ class NixlAgent:
                     self._agent.get_xfer_descs(local, local_mem),
                     self._agent.get_xfer_descs(remote_descs, "DRAM"),
                     remote,
-                    notif,
                 )
                 state = self._agent.transfer(handle)
             delay = 0.0
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     raise TransferTimeout(f"NIXL READ from {remote} not done by the deadline")
-                time.sleep(delay)  # 0 first: yields the GIL, then backs off to 1 ms
-                delay = min(0.001, max(2e-5, delay * 2))
+                time.sleep(delay)  # 0 first: yields the GIL, then backs off
+                delay = min(_POLL_MAX_S, max(2e-5, delay * 2))
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
             if state != "DONE":
@@ -224,8 +225,7 @@ class NixlAgent:
                 with self._lock:
                     notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
                 for agent, messages in notifs.items():
-                    for message in messages:
-                        self._on_notif(agent, message)
+                    log.debug("kvmux nixl: %d stray notification(s) from %s", len(messages), agent)
                 self._on_tick()
             except Exception:
                 log.exception("kvmux nixl: progress failed")

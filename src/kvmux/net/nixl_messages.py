@@ -24,9 +24,10 @@ AgentMetadata = Annotated[
 class NixlLocateReply(PinReply):
     """Where the pinned blocks are in the producer's NIXL-registered pool: row
     ``rows[i]`` (-1: missing) of ``slots`` rows of ``block_nbytes`` at address
-    ``base``. ``metadata`` (base64, for ``add_remote_agent``) comes with the first
-    reply on a connection; later replies send only the agent's name. The pin
-    lasts ``lease_s`` or until the consumer's notification (or ``unpin``)."""
+    ``base``. ``metadata`` (base64, for ``add_remote_agent``; about a kilobyte)
+    comes with every reply, so a consumer that dropped the agent (a failed link)
+    can add it back from any connection; it adds it only once. The pin lasts
+    ``lease_s`` or until the consumer's ``unpin``."""
 
     kind: Literal["nixl_locate_reply"] = "nixl_locate_reply"
     agent: AgentName

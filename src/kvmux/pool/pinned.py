@@ -38,8 +38,6 @@ class PinnedTransport(PullTransport):
     config: PinnedPoolConfig
     reply_type: ClassVar[type[PinReply]]
     """The backend's locate reply message."""
-    move_ends_lease: ClassVar[bool] = False
-    """True when a successful move ends the lease by itself (a NIXL notification)."""
 
     # ------------------------------------------------------------------ producer
 
@@ -101,20 +99,18 @@ class PinnedTransport(PullTransport):
         if not rows.size:
             return [MISSING] * len(keys)
         blocks = np.asarray(block_ids, dtype=np.int64)[hit]
-        moved = False
         try:
             if reply.block_nbytes != self.copier.block_nbytes:
                 raise TransferError(
                     f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
                 )
             self.move(link, reply, blocks, rows, min(deadline, asked + reply.lease_s))
-            moved = True
         finally:
-            # A courtesy: a producer that is gone (or drops this connection) ends the
-            # lease itself; the bytes stand or fall with the lease check below.
-            if not (moved and self.move_ends_lease):
-                with contextlib.suppress(TransferError):
-                    link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
+            # One-way, no reply awaited. A courtesy: a producer that is gone (or drops
+            # this connection) ends the lease itself; the bytes stand or fall with the
+            # lease check below.
+            with contextlib.suppress(TransferError):
+                link.channel.send(Unpin(lease=reply.lease), deadline=deadline)
         if time.monotonic() - asked >= reply.lease_s:
             late = failed(
                 f"the move outlasted the producer's {reply.lease_s} s lease; bytes unsure"
