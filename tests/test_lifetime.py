@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvmux.testing.lifetime import stopped
+
 HOLDER = textwrap.dedent(
     """
     import sys
@@ -55,3 +57,25 @@ def test_a_server_dies_with_the_test_run_that_started_it() -> None:
         if holder.poll() is None:
             os.kill(holder.pid, signal.SIGKILL)
             holder.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_stopped_block_starts_only_once_every_thread_of_the_child_is_frozen() -> None:
+    """Busy threads on another core keep running for a moment after SIGSTOP is
+    queued; inside the block none may (a frozen peer must answer nothing)."""
+    spin = "import threading, time\n" + (
+        "for _ in range(3): threading.Thread(target=lambda: [0 for _ in iter(int, 1)],"
+        " daemon=True).start()\ntime.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        with stopped(child.pid):
+            states = [
+                (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                for task in Path(f"/proc/{child.pid}/task").iterdir()
+            ]
+        assert len(states) >= 4 and set(states) <= {"T", "t"}, states
+    finally:
+        child.kill()
+        child.wait(10)

@@ -12,7 +12,12 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
+
+STOP_WAIT_S = 5.0
+"""Longest :func:`stopped` waits for every thread of the child to be frozen."""
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child process
@@ -30,10 +35,37 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child process
 def stopped(pid: int) -> Iterator[None]:
     """SIGSTOP ``pid`` for the ``with`` block: alive, its sockets open, answering
     nothing (a frozen or swamped peer, as the network sees it); SIGCONT on the
-    way out, whatever happened inside."""
+    way out, whatever happened inside. The block starts only once every thread
+    of ``pid`` is frozen: ``kill`` returns when the signal is queued, and a
+    thread already running on another core could still answer a request the
+    test means to go unanswered (a shm locate, after which the copy needs no
+    producer)."""
     os.kill(pid, signal.SIGSTOP)
     try:
+        _wait_frozen(pid)
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+def _wait_frozen(pid: int) -> None:
+    """Return once every thread of ``pid`` is stopped (``T``/``t`` in its
+    ``/proc`` stat) or gone; where there is no ``/proc``, at once."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return
+    until = time.monotonic() + STOP_WAIT_S
+    while not all(_frozen(task) for task in tasks.iterdir()):
+        if time.monotonic() >= until:
+            raise TimeoutError(f"process {pid} not frozen {STOP_WAIT_S} s after SIGSTOP")
+        time.sleep(0.001)
+
+
+def _frozen(task: Path) -> bool:
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:  # the thread ended
+        return True
+    state = stat[stat.rindex(")") + 2]  # the field after the name, which may hold spaces
+    return state in "tTZX"
