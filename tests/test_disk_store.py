@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,31 @@ def test_unfinished_write_is_never_readable_and_is_cleaned_up(
     with _disk(tmp_path, layout, caches) as d:
         assert not leftover.exists()
         assert d.stats()["blocks_stored"] == 1
+
+
+def test_registering_keeps_a_write_still_in_progress_in_another_process(
+    tmp_path: Path, caches, layout
+) -> None:
+    """A decode instance starting on a store a prefill is writing must not delete
+    the prefill's temporary files (CI saw its layout write fail with ENOENT)."""
+    with _disk(tmp_path, layout, caches) as d:
+        d.save(keys(1), [0]).result()
+    block_dir = tmp_path / layout.fingerprint()
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        in_progress = block_dir / f".tmp-{writer.pid}-abc"
+        abandoned = block_dir / f".tmp-{gone.pid}-abc"
+        in_progress.write_bytes(b"half a block")
+        abandoned.write_bytes(b"half a block")
+        with _disk(tmp_path, layout, caches) as d:
+            assert in_progress.exists()
+            assert not abandoned.exists()
+            assert d.stats()["blocks_stored"] == 1
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_truncated_block_file_fails_that_key_instead_of_loading_garbage(

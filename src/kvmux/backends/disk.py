@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import tempfile
 import threading
 from collections import OrderedDict
@@ -97,7 +98,8 @@ class DiskBackend(Backend):
         for entry in os.scandir(directory):
             key = fmt.key_of(entry.name)
             if entry.name.startswith(".tmp"):
-                os.unlink(entry.path)  # a write that never finished
+                if _abandoned(entry.name):
+                    os.unlink(entry.path)  # a write that never finished
             elif key is not None:
                 found.append((entry.stat().st_mtime, key))
             elif entry.name.endswith(fmt.foreign_suffix):
@@ -146,7 +148,7 @@ class DiskBackend(Backend):
             if key in self._index and path.exists():
                 self._index.move_to_end(key)
                 return  # same key, same content
-        fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=path.parent)
         try:
             try:
                 self.block_format.write(fd, key, row.numpy().data)
@@ -272,6 +274,31 @@ def _check_writable(path: Path) -> None:
         ) from None
 
 
+def _tmp_prefix() -> str:
+    """Temporary files carry their writer's pid: instances sharing a store (a
+    prefill and a decode on one host) register while others write, and must
+    not delete a write still in progress."""
+    return f".tmp-{os.getpid()}-"
+
+
+def _abandoned(name: str) -> bool:
+    """A temporary file is left over when its writer is gone: no pid in its name
+    (an older kvmux, or none at all) or that process no longer runs."""
+    match = re.fullmatch(r"\.tmp-(\d+)-.*", name)
+    if match is None:
+        return True
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
 def _write_layout(directory: Path, layout: KVLayout) -> None:
     """Create the layout's directory and its ``layout.json`` (rewritten only when it
     differs, so an existing store still opens, and loads, on a full disk)."""
@@ -281,7 +308,7 @@ def _write_layout(directory: Path, layout: KVLayout) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         if description.exists() and description.read_text() == text:
             return
-        fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=directory)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
