@@ -96,6 +96,11 @@ def test_a_topology_connects_its_hosts_and_leaves_nothing_behind() -> None:
         assert len({h.address for h in hosts}) == 3
         assert all(h.address.startswith("10.") for h in hosts)
         sleeper = subprocess.Popen(hosts[0].command(["sleep", "600"]))
+        # ``ip netns exec`` enters the host after Popen returns: on a busy machine
+        # (CI saw it) the first listing can come before the setns.
+        until = time.monotonic() + 10
+        while sleeper.pid not in hosts[0].pids() and time.monotonic() < until:
+            time.sleep(0.02)
         assert sleeper.pid in hosts[0].pids()
         shm = hosts[1].run(["sh", "-c", "ls /dev/shm | wc -l"]).stdout.strip()
         assert shm == "0", "a host's /dev/shm is its own"
