@@ -1,8 +1,10 @@
 """xPyD across hosts: ``kvmux proxy``, two prefill and two decode vLLM servers, each
 on a host of its own (network namespaces of :mod:`kvmux.testing.netns`), over
-kvmux's ``tcp`` backend and, where they are installed, ``nixl`` (UCX over TCP) and
-``mooncake`` (its Transfer Engine over TCP), and ``shm`` then ``tcp`` in a
-``multi`` (shm refuses the other host, the tcp child serves).
+kvmux's ``tcp`` backend, ``nixl`` where it is installed (UCX over TCP), and
+``shm`` then ``tcp`` in a ``multi`` (shm refuses the other host, the tcp child
+serves). Mooncake's Transfer Engine is left out here: its cluster costs about
+twice a tcp one (170 s against 90 s when measured), and it crosses hosts in
+``test_netns.py``.
 
 Five hosts on one switch: ``proxy`` runs ``kvmux proxy`` (the CLI, listening on
 its 10.x address) and is where the test's client sits (its sockets are opened
@@ -68,7 +70,6 @@ def _served(backend: str) -> dict[str, Any]:
 BACKENDS: dict[str, dict[str, Any]] = {
     "tcp": _served("tcp"),
     "nixl": _served("nixl"),
-    "mooncake": _served("mooncake"),
     "shm-then-tcp": {
         "backend": "multi",
         "policy": "fallback",
@@ -77,8 +78,7 @@ BACKENDS: dict[str, dict[str, Any]] = {
         "breaker": {"cooldown_s": BREAKER_COOLDOWN_S},
     },
 }
-"""``mooncake``: Mooncake's Transfer Engine over TCP between the hosts.
-``shm-then-tcp``: every decode's shm child refuses the prefill on another host
+"""``shm-then-tcp``: every decode's shm child refuses the prefill on another host
 per key at once and the tcp child serves; its breaker, should the cut's
 failures open it, lets the healthy tcp child through again after the cooldown."""
 BACKEND_ENV: dict[str, dict[str, str]] = {"nixl": {"UCX_TLS": "tcp,self"}}
@@ -113,9 +113,6 @@ def _server(
     params=[
         "tcp",
         pytest.param("nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="no nixl")),
-        pytest.param(
-            "mooncake", marks=pytest.mark.skipif(not installed("mooncake"), reason="no mooncake")
-        ),
         "shm-then-tcp",
     ],
 )
