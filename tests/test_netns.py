@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvmux.testing import netns
-from kvmux.testing.peer import spawn_peer
+from kvmux.testing.peer import read_line, spawn_peer
 from vllm_e2e_support import installed
 
 from support import P2P_GRACE_S
@@ -86,7 +86,13 @@ def _pull(
         [*_in(host, env), *argv], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return _result(done.stdout)
+
+
+def _result(stdout: str) -> dict[str, Any]:
+    """The pull's JSON line: its last line that is an object (UCX may print warnings
+    on stdout after it, as its agent is destroyed)."""
+    out: dict[str, Any] = json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
     return out
 
 
@@ -237,22 +243,31 @@ def test_shm_refuses_a_peer_on_another_host_per_key_and_a_multi_falls_back_to_tc
     assert both["ok_exact"]
 
 
+SHAPED_BACKENDS = [
+    "tcp",
+    pytest.param("nixl", marks=_needs("nixl")),
+    pytest.param("mooncake", marks=_needs("mooncake")),
+]
+"""The P2P backends whose data crosses the shaped wire (shm refuses other hosts)."""
+
+
+@pytest.mark.parametrize("backend", SHAPED_BACKENDS)
 def test_a_link_cut_mid_transfer_fails_the_rest_within_the_deadline_and_heals(
-    net: netns.Topology,
+    net: netns.Topology, backend: str
 ) -> None:
     """256 KiB blocks over a 50 Mbit link (about 5 s for 120 blocks, timeout_s 15);
     the wire is cut a second or two in: the load ends by its deadline, the blocks
     that arrived are exact, the rest failed; once the link is back, a new load
     gets every block."""
     blocks = 120
-    config = {**_served("tcp"), "timeout_s": 15.0}
+    config, env = {**_served(backend), "timeout_s": 15.0}, BACKEND_ENV.get(backend)
     net["p"].limit_rate(50)
-    with spawn_peer(config, blocks, SEED, "large", prefix=net["p"].command([])) as peer:
+    with spawn_peer(config, blocks, SEED, "large", prefix=_in(net["p"], env)) as peer:
         argv = [sys.executable, "-m", "kvmux.testing.pull", "--config", json.dumps(config)]
         argv += ["--source", json.dumps(peer.address), "--blocks", str(blocks)]
         argv += ["--seed", str(SEED), "--layout", "large"]
         started = time.monotonic()
-        puller = subprocess.Popen(net["d"].command(argv), stdout=subprocess.PIPE, text=True)
+        puller = subprocess.Popen([*_in(net["d"], env), *argv], stdout=subprocess.PIPE, text=True)
         try:
             time.sleep(3.0)  # the consumer's start-up (imports) plus a second or so of bytes
             net["p"].link_down()
@@ -262,11 +277,11 @@ def test_a_link_cut_mid_transfer_fails_the_rest_within_the_deadline_and_heals(
                 puller.kill()
                 puller.wait(timeout=10)
         elapsed = time.monotonic() - started
-        cut = json.loads(out.strip().splitlines()[-1])
+        cut = _result(out)
         net["p"].link_up()
         net["p"].clear_shaping()
-        healed = _pull(net["d"], config, peer.address, blocks, "large")
-    print(f"\nlink cut mid-transfer: {cut['statuses']} after {cut['seconds']:.2f} s")
+        healed = _pull(net["d"], config, peer.address, blocks, "large", env)
+    print(f"\n{backend}, link cut mid-transfer: {cut['statuses']} after {cut['seconds']:.2f} s")
     assert cut["statuses"].get("failed", 0) > 0, cut
     assert cut["seconds"] < 15.0 + P2P_GRACE_S, cut
     assert elapsed < 15.0 + P2P_GRACE_S + 20
@@ -275,27 +290,98 @@ def test_a_link_cut_mid_transfer_fails_the_rest_within_the_deadline_and_heals(
     assert healed["ok_exact"]
 
 
+def _round_trip_s(host: netns.Host, address: str, port: int) -> float:
+    """The shortest of a few TCP connects from ``host`` to ``address:port``: one
+    round trip (SYN, SYN-ACK), the delay a link adds both ways."""
+    code = (
+        "import socket, sys, time\n"
+        "best = 1e9\n"
+        "for _ in range(5):\n"
+        "    t = time.perf_counter()\n"
+        "    socket.create_connection((sys.argv[1], int(sys.argv[2])), 5).close()\n"
+        "    best = min(best, time.perf_counter() - t)\n"
+        "print(best)\n"
+    )
+    return float(host.run([sys.executable, "-c", code, address, str(port)]).stdout)
+
+
+@pytest.mark.parametrize("backend", SHAPED_BACKENDS)
 @pytest.mark.parametrize("shaping", ["rate", "netem"])
 def test_a_slow_link_delivers_exact_bytes_in_bounded_time(
-    net: netns.Topology, shaping: str
+    net: netns.Topology, shaping: str, backend: str
 ) -> None:
-    """1 Gbit (tbf), or 100 µs each way plus 1 Gbit (netem, where the kernel has it):
-    32 MiB arrive exact, no sooner than the link allows and well inside timeout_s."""
+    """1 Gbit (tbf), or 100 µs each way plus 1 Gbit (netem, where the kernel has
+    ``sch_netem``): 32 MiB arrive exact, no sooner than the link allows and well
+    inside timeout_s; with netem a round trip takes at least the two delays."""
     if shaping == "netem" and netns.netem_unavailable() is not None:
         pytest.skip(str(netns.netem_unavailable()))
-    blocks, rate_mbit = 128, 1000
+    blocks, rate_mbit, delay_us = 128, 1000, 100
     for host in (net["p"], net["d"]):
         if shaping == "netem":
-            host.netem(delay_us=100, rate_mbit=rate_mbit)
+            host.netem(delay_us=delay_us, rate_mbit=rate_mbit)
         else:
             host.limit_rate(rate_mbit)
-    config = {**_served("tcp"), "timeout_s": 30.0}
-    with spawn_peer(config, blocks, SEED, "large", prefix=net["p"].command([])) as peer:
-        got = _pull(net["d"], config, peer.address, blocks, "large")
+    config, env = {**_served(backend), "timeout_s": 30.0}, BACKEND_ENV.get(backend)
+    with spawn_peer(config, blocks, SEED, "large", prefix=_in(net["p"], env)) as peer:
+        round_trip_s = _round_trip_s(net["d"], peer.address["host"], peer.address["port"])
+        got = _pull(net["d"], config, peer.address, blocks, "large", env)
     floor_s = got["nbytes"] * 8 / (rate_mbit * 1e6)
-    print(f"\n{shaping} {rate_mbit} Mbit: {got['nbytes'] >> 20} MiB in {got['seconds']:.2f} s")
+    print(
+        f"\n{backend} over {shaping} {rate_mbit} Mbit: {got['nbytes'] >> 20} MiB in "
+        f"{got['seconds']:.2f} s, round trip {round_trip_s * 1e6:.0f} us"
+    )
     assert got["statuses"] == {"ok": blocks}, got["reasons"]
     assert got["ok_exact"]
     assert got["nbytes"] == blocks * 256 * 2**10
     assert got["seconds"] >= 0.8 * floor_s, "the link was not shaped"
     assert got["seconds"] < 20.0
+    if shaping == "netem":
+        assert round_trip_s >= 2 * delay_us * 1e-6, "the link was not delayed"
+
+
+@pytest.mark.parametrize("backend", SHAPED_BACKENDS)
+def test_a_link_too_slow_for_the_deadline_fails_the_load_in_time_and_the_next_load_works(
+    net: netns.Topology, backend: str
+) -> None:
+    """32 MiB over 40 Mbit (tbf) take about 7 s, timeout_s is 2 s: the load ends by
+    its deadline, not sooner and not much later, with the keys that did not arrive
+    failed (those that did are exact). Once the limit is lifted, the same consumer
+    connector loads every block from the same peer."""
+    blocks, rate_mbit, timeout_s = 128, 40, 2.0
+    for host in (net["p"], net["d"]):
+        host.limit_rate(rate_mbit)
+    config, env = {**_served(backend), "timeout_s": timeout_s}, BACKEND_ENV.get(backend)
+    with spawn_peer(config, blocks, SEED, "large", prefix=_in(net["p"], env)) as peer:
+        argv = [sys.executable, "-m", "kvmux.testing.pull", "--config", json.dumps(config)]
+        argv += ["--source", json.dumps(peer.address), "--blocks", str(blocks)]
+        argv += ["--seed", str(SEED), "--layout", "large", "--wait-s", "30", "--again"]
+        puller = subprocess.Popen(
+            [*_in(net["d"], env), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert puller.stdin is not None
+        try:
+            slow = json.loads(read_line(puller, 90))
+            for host in (net["p"], net["d"]):
+                host.clear_shaping()
+            puller.stdin.write(b"\n")
+            puller.stdin.flush()
+            healed = json.loads(read_line(puller, 60))
+            assert puller.wait(timeout=30) == 0
+        finally:
+            if puller.poll() is None:
+                puller.kill()
+                puller.wait(timeout=10)
+            puller.stdin.close()
+            assert puller.stdout is not None
+            puller.stdout.close()
+    print(
+        f"\n{backend}, {blocks >> 2} MiB over {rate_mbit} Mbit, timeout_s {timeout_s}: "
+        f"{slow['statuses']} after {slow['seconds']:.2f} s ({slow['reasons'][:1]}); "
+        f"limit lifted: {healed['statuses']} in {healed['seconds']:.2f} s"
+    )
+    assert slow["statuses"].get("failed", 0) > 0, slow
+    assert set(slow["statuses"]) <= {"ok", "failed"}, slow
+    assert 0.8 * timeout_s <= slow["seconds"] < timeout_s + P2P_GRACE_S, slow
+    assert slow["ok_exact"]
+    assert healed["statuses"] == {"ok": blocks}, healed["reasons"]
+    assert healed["ok_exact"]

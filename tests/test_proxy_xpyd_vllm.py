@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,10 +24,9 @@ from kvmux.demo.run import stop_all
 from kvmux.demo.servers import ProxyThread, VllmServer
 from kvmux.models import tiny_model
 from xpyd_support import (
-    BLOCKS,
     SPEC,
-    Served,
     Xpyd,
+    ask_through_a_prefill_fault,
     check_answers_equal_one_instance_and_every_server_is_used,
     decode_args,
     group_alive,
@@ -106,53 +104,14 @@ def test_xpyd_same_prompt_goes_back_to_the_servers_that_hold_its_prefix(xpyd: Lo
 
 
 def test_xpyd_a_killed_prefill_is_taken_out_and_put_back_once_restarted(xpyd: Loopback) -> None:
-    prompts = prompts_of(10, seed=700)
-    references = [xpyd.client.reference(p) for p in prompts]
-    victim, survivor = xpyd.prefill
-    before = {s.url: xpyd.client.loaded_blocks(s.url) for s in xpyd.decode}
-    served: dict[int, Served] = {}
-    started: dict[int, float] = {}
-    errors: list[BaseException] = []
-    first_done = threading.Event()
+    victim = xpyd.prefill[0]
 
-    def client(indices: range) -> None:
-        for i in indices:
-            started[i] = time.monotonic()
-            try:
-                served[i] = xpyd.client.ask(prompts[i], stream=i % 2 == 1)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-            first_done.set()
-
-    clients = [threading.Thread(target=client, args=(range(k, 8, 2),)) for k in range(2)]
-    for thread in clients:
-        thread.start()
-    try:
-        assert first_done.wait(120), "no answer through the proxy"
+    def kill() -> None:
         assert victim.pid is not None
         os.killpg(victim.pid, signal.SIGKILL)  # the whole server: API process and engine
-        killed_at = time.monotonic()
-        done_at_kill = len(served)
-    finally:
-        for thread in clients:
-            thread.join(300)
+
+    outage = ask_through_a_prefill_fault(xpyd.client, victim.url, kill, seed=700, fault_name="kill")
     victim.stop(grace_s=5)  # reaps it; its group is gone already
-    assert not errors, errors
-    assert [served[i].token_ids for i in range(8)] == references[:8]
-    stats = xpyd.client.stats()["prefill"]
-    assert stats[victim.url]["in_rotation"] is False
-    assert stats[victim.url]["taken_out"] >= 1
-    # Every request started after the kill took its KV from the survivor, on both
-    # decodes (one under way at the kill may have lost its load: it was recomputed,
-    # and its tokens are equal above).
-    late = [served[i] for i in range(8) if started[i] > killed_at]
-    assert len(late) >= 2, f"{done_at_kill} of 8 were done before the kill: kill sooner"
-    assert all(s.prefill == survivor.url for s in late), late
-    from_survivor = [s for s in served.values() if s.prefill == survivor.url]
-    assert {s.decode for s in from_survivor} == {s.url for s in xpyd.decode}
-    for server in xpyd.decode:
-        pulled = sum(s.decode == server.url for s in from_survivor)
-        xpyd.client.wait_loaded(server.url, before[server.url] + BLOCKS * pulled)
 
     reborn = _prefill_server(xpyd.model_dir, xpyd.log_dir, "prefill-0-restarted", victim.port)
     xpyd.prefill[0] = reborn
@@ -160,11 +119,11 @@ def test_xpyd_a_killed_prefill_is_taken_out_and_put_back_once_restarted(xpyd: Lo
     healthy_at = time.monotonic()
     wait_for(lambda: xpyd.client.stats()["prefill"][reborn.url]["in_rotation"], 30)
     print(
-        f"\n{done_at_kill} of 8 answered before the kill, none failed; "
-        f"{stats[victim.url]['sent']} requests sent to the killed prefill in all; "
+        f"\n{outage.done_before} of 8 answered before the kill, none failed; "
+        f"{outage.victim['sent']} requests sent to the killed prefill in all; "
         f"restarted one back in rotation {time.monotonic() - healthy_at:.2f} s after its "
         f"/health answered (probe interval 0.5 s)"
     )
-    again = [xpyd.client.ask(p) for p in prompts[8:]]
-    assert [a.token_ids for a in again] == references[8:]
+    again = [xpyd.client.ask(p) for p in outage.prompts[8:]]
+    assert [a.token_ids for a in again] == outage.references[8:]
     assert reborn.url in {a.prefill for a in again}, "the restarted prefill got no request"

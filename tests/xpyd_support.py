@@ -16,6 +16,7 @@ import http.client
 import json
 import math
 import os
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -136,6 +137,82 @@ def check_answers_equal_one_instance_and_every_server_is_used(client: Xpyd, seed
     for role in ("prefill", "decode"):
         for url, state in stats[role].items():
             assert state["in_rotation"] and state["in_flight"] == 0, (url, state)
+
+
+@dataclass
+class Outage:
+    """Eight requests sent while a prefill failed: see :func:`ask_through_a_prefill_fault`."""
+
+    prompts: list[list[int]]
+    """Ten prompts; the last two were not sent (for the caller, once the victim is back)."""
+    references: list[list[int]]
+    done_before: int
+    """Requests answered before the fault."""
+    slowest_after_s: float
+    """The longest a request started after the fault took."""
+    victim: dict[str, Any]
+    """The proxy's ``/stats`` of the failed prefill, right after the requests."""
+
+
+def ask_through_a_prefill_fault(
+    client: Xpyd, victim: str, fault: Callable[[], None], *, seed: int, fault_name: str
+) -> Outage:
+    """Two clients send eight of ten prompts through the proxy (half of them
+    streamed); once the first is answered, ``fault()`` takes the prefill ``victim``
+    down (``fault_name`` says how, in messages). Checks that no request failed,
+    each answer is one instance's, the proxy took the victim out, and every
+    request started after the fault (at least two) was prefilled on the other
+    prefill (retried there if it went to the victim first), whose KV both decodes
+    loaded, every block of each prompt they decoded (one under way at the fault
+    may have lost its load: it was recomputed, and its tokens are checked like
+    the rest)."""
+    prompts = prompts_of(10, seed)
+    references = [client.reference(p) for p in prompts]
+    (survivor,) = set(client.prefill_urls) - {victim}
+    before = {url: client.loaded_blocks(url) for url in client.decode_urls}
+    served: dict[int, Served] = {}
+    started: dict[int, float] = {}
+    took: dict[int, float] = {}
+    errors: list[BaseException] = []
+    first_done = threading.Event()
+
+    def ask(indices: range) -> None:
+        for i in indices:
+            started[i] = time.monotonic()
+            try:
+                served[i] = client.ask(prompts[i], stream=i % 2 == 1)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            took[i] = time.monotonic() - started[i]
+            first_done.set()
+
+    clients = [threading.Thread(target=ask, args=(range(k, 8, 2),)) for k in range(2)]
+    for thread in clients:
+        thread.start()
+    try:
+        assert first_done.wait(120), "no answer through the proxy"
+        fault()
+        fault_at = time.monotonic()
+        done_before = len(served)
+    finally:
+        for thread in clients:
+            thread.join(300)
+    assert not errors, errors
+    assert [served[i].token_ids for i in range(8)] == references[:8]
+    stats = client.stats()["prefill"]
+    assert stats[victim]["in_rotation"] is False
+    assert stats[victim]["taken_out"] >= 1
+    late = [served[i] for i in range(8) if started[i] > fault_at]
+    too_late = f"{done_before} of 8 were done before the {fault_name}: {fault_name} sooner"
+    assert len(late) >= 2, too_late
+    assert all(s.prefill == survivor for s in late), late
+    from_survivor = [s for s in served.values() if s.prefill == survivor]
+    assert {s.decode for s in from_survivor} == set(client.decode_urls)
+    for url in client.decode_urls:
+        pulled = sum(s.decode == url for s in from_survivor)
+        client.wait_loaded(url, before[url] + BLOCKS * pulled)
+    slowest = max(took[i] for i in range(8) if started[i] > fault_at)
+    return Outage(prompts, references, done_before, slowest, stats[victim])
 
 
 def prompts_of(n: int, seed: int) -> list[list[int]]:

@@ -106,7 +106,11 @@ def unavailable() -> str | None:
 @functools.cache
 def netem_unavailable() -> str | None:
     """Why ``tc netem`` cannot be used (None when it can): many VM kernels are built
-    without ``sch_netem``. Tried once in a namespace of its own, then removed."""
+    without ``sch_netem``. Tried once in a namespace of its own, then removed.
+
+    Without netem there is no honest delay: ``tbf`` only caps the rate, and the
+    other way to hold packets back (earliest-departure times set by a BPF
+    program) needs ``sch_fq`` too, which such kernels usually lack as well."""
     reason = unavailable()
     if reason is not None:
         return reason
@@ -118,7 +122,10 @@ def netem_unavailable() -> str | None:
     finally:
         _ip("netns", "del", probe)
     if tried.returncode != 0:
-        return f"this kernel ({os.uname().release}) has no tc netem: {tried.stderr.strip()}"
+        return (
+            f"this kernel ({os.uname().release}) has no sch_netem (CONFIG_NET_SCH_NETEM), "
+            f"so no delayed link: tc netem says {tried.stderr.strip()!r}"
+        )
     return None
 
 

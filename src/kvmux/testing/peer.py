@@ -182,7 +182,7 @@ def spawn_peer(
     ]
     proc = subprocess.Popen([*prefix, *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        ready = json.loads(_read_line(proc, ready_timeout_s))
+        ready = json.loads(read_line(proc, ready_timeout_s))
         yield PeerProcess(
             proc.pid, ready["address"], [BlockKey.from_id(k) for k in ready["keys"]], proc
         )
@@ -190,7 +190,9 @@ def spawn_peer(
         _stop(proc)
 
 
-def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    """The next line ``proc`` prints (without its newline), within ``timeout_s``;
+    what it printed after that line is dropped (it prints one and then waits)."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     data = b""
@@ -199,10 +201,10 @@ def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
         while b"\n" not in data:
             left = deadline - time.monotonic()
             if left <= 0 or not sel.select(left):
-                raise TimeoutError(f"peer {proc.pid} printed no address within {timeout_s} s")
+                raise TimeoutError(f"process {proc.pid} printed no line within {timeout_s} s")
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
-                raise RuntimeError(f"peer {proc.pid} exited ({proc.wait()}) before it was ready")
+                raise RuntimeError(f"process {proc.pid} exited ({proc.wait()}) before a line")
             data += chunk
     return data.split(b"\n", 1)[0]
 
