@@ -37,6 +37,10 @@ class ProxyProcess:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def command(self) -> list[str]:
         c = self.config
         flags = [sys.executable, "-m", "kvmux.cli.main", "proxy", "--port", str(self.port)]
