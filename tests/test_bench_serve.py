@@ -62,7 +62,12 @@ def test_poisson_schedule_refuses_a_rate_that_is_not_positive(rate: float) -> No
 
 
 def test_plan_mixes_both_kinds_with_exact_lengths_and_distinct_prompts() -> None:
-    mix = RequestMix(long_prompt_tokens=300, long_output_prompt_tokens=20, long_output_tokens=40)
+    mix = RequestMix(
+        long_prompt_tokens=300,
+        long_output_prompt_tokens=20,
+        long_output_tokens=40,
+        long_prompt_share=0.5,
+    )
     planned = plan(mix, rate=5.0, duration_s=40.0, seed=3, prompt_seed=9, vocab_size=512)
     assert len(planned) == 200
     kinds = [r.kind for r in planned]
