@@ -444,6 +444,7 @@ def test_proxy_process_relays_every_chunk_from_its_own_process_and_stops(
     from kvmux.proxy import ProxyConfig
 
     requests = [PlannedRequest(0, "long-output", [5, 6], 4, 0.0)]
+    proxy_cpu: list[float] = []
 
     async def go() -> tuple[list[RequestTiming], int | None]:
         async with fake_server(tokens_each=4, gap_s=0.05) as (url, _):
@@ -451,11 +452,14 @@ def test_proxy_process_relays_every_chunk_from_its_own_process_and_stops(
             try:
                 front = await asyncio.to_thread(proxy.start)
                 assert front != url
-                return await run_load(front, "m", requests, timeout_s=10), proxy.pid
+                timings = await run_load(front, "m", requests, timeout_s=10)
+                proxy_cpu.append(proxy.cpu_seconds())
+                return timings, proxy.pid
             finally:
                 await asyncio.to_thread(proxy.stop)
 
     (timing,), pid = asyncio.run(asyncio.wait_for(go(), 60))
+    assert proxy_cpu[0] > 0
     assert timing.ok and timing.output_tokens == 4 and len(timing.chunk_times_s) == 4
     assert pid is not None and pid != os.getpid()
     with pytest.raises(ProcessLookupError):

@@ -2,9 +2,9 @@
 
 One 1P1D topology over ``shm`` (two pinned servers and the proxy), one rate,
 a few seconds of arrivals of short prompts, a two-batch step profile and the
-cross-check with vLLM's own serving benchmark: about two minutes on two cores. The colocated topology
-differs only in its servers' flags and the proxy's mode, each tested on its
-own (``test_proxy.py``, ``test_bench_serve.py``).
+cross-check with vLLM's own serving benchmark: about two minutes on two
+cores. The colocated topology differs only in its servers' flags and the
+proxy's mode, each tested on its own (``test_proxy.py``, ``test_bench_serve.py``).
 """
 
 from __future__ import annotations

@@ -53,6 +53,18 @@ class ProxyProcess:
             flags += ["--decode", str(url)]
         return flags
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the proxy has used so far; 0 once it has ended."""
+        if self._proc is None:
+            return 0.0
+        try:
+            stat = Path(f"/proc/{self._proc.pid}/stat").read_text()
+        except OSError:
+            return 0.0
+        # Fields after the parenthesised name; utime and stime are the 14th and 15th.
+        fields = stat.rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def start(self, timeout_s: float = 30.0) -> str:
         """Start it; returns its base URL once ``/health`` answers."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

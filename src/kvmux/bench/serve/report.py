@@ -259,21 +259,29 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     lines += [*(f"Note: {n}" for n in report.notes), "", "## Runs", ""]
     lines += [
         "| topology | rate (req/s) | done / sent | output tok/s | goodput req/s | "
-        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | load | "
+        "client / proxy cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.runs:
         load = "-" if r.load_average is None else f"{r.load_average:.1f}"
+        used = (
+            "-"
+            if r.client_cores is None or r.proxy_cores is None
+            else f"{r.client_cores:.2f} / {r.proxy_cores:.2f}"
+        )
         lines.append(
             f"| {r.topology} | {r.rate:g} | {r.completed} / {r.requests} | "
             f"{r.output_throughput:.1f} | {r.goodput:.2f} | {_triple(r.ttft)} | "
-            f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} |"
+            f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} | {used} |"
         )
     lines.append(
         "\nload: the 1-minute load average as the run ended. This benchmark's own processes "
         "count (two servers of an API and an engine process each, the client and proxy): "
         "2 or more under load on their own; well above that, other processes "
-        "shared the pinned cores."
+        "shared the pinned cores. client / proxy cores: CPU time of the load generator's "
+        "and the proxy's processes over the run's wall time; both are unpinned, so this "
+        "much CPU was taken from the servers' two cores."
     )
     failed = [r for r in report.runs if r.errors]
     for r in failed:

@@ -149,12 +149,21 @@ def _measure(
         for index, rate in enumerate(settings.rates):
             planned = settings.plan_for(index)
             progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
+            wall, client, proxy = (
+                time.perf_counter(),
+                time.process_time(),
+                served.proxy_cpu_seconds(),
+            )
             timings = asyncio.run(
                 run_load(served.url, SERVED_MODEL, planned, settings.request_timeout_s)
             )
-            run = summarize(topology.name, rate, timings, settings.slo).model_copy(
-                update={"load_average": round(os.getloadavg()[0], 2)}
-            )
+            wall = time.perf_counter() - wall
+            used = {
+                "load_average": round(os.getloadavg()[0], 2),
+                "client_cores": round((time.process_time() - client) / wall, 3),
+                "proxy_cores": round((served.proxy_cpu_seconds() - proxy) / wall, 3),
+            }
+            run = summarize(topology.name, rate, timings, settings.slo).model_copy(update=used)
             results.runs.append(run)
             progress("  " + one_line(run))
             if index == checked_index:
@@ -196,7 +205,8 @@ def one_line(run: RunMetrics) -> str:
         f"{run.completed}/{run.requests} done, {run.output_throughput:.1f} tok/s, "
         f"goodput {run.goodput:.2f} req/s, TTFT p50 {ttft.p50_ms if ttft else 0:.0f} ms, "
         f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms, "
-        f"load average {run.load_average}"
+        f"load average {run.load_average}, client/proxy {run.client_cores}/{run.proxy_cores} "
+        "cores"
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +118,8 @@ class Serving:
 
     url: str
     decode_urls: list[str]
+    proxy_cpu_seconds: Callable[[], float]
+    """CPU time the proxy process has used so far."""
 
 
 @contextlib.contextmanager
@@ -147,7 +149,8 @@ def serving(
         )
         proxy = ProxyProcess(config, logs / "proxy.log")
         url = proxy.start()
-        yield Serving(url, [] if topology.kind == "colocated" else [s.url for s in decode])
+        decode_urls = [] if topology.kind == "colocated" else [s.url for s in decode]
+        yield Serving(url, decode_urls, proxy.cpu_seconds)
     finally:
         if proxy is not None:
             proxy.stop()
