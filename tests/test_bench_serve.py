@@ -523,3 +523,16 @@ def test_a_topology_that_cannot_start_is_reported_and_the_results_still_written(
     assert any("colocated chunk=256 was not measured" in n for n in report.notes)
     assert (tmp_path / "results.json").is_file()
     assert "exited with status 1" in (tmp_path / "summary.md").read_text()
+
+
+def test_command_line_takes_the_mix_share_and_step_batches_with_the_settings_defaults() -> None:
+    from kvmux.cli.main import build_parser
+
+    defaults = build_parser("bench").parse_args(["bench", "serve"])
+    d = ServeSettings()
+    assert defaults.step_batches == d.step_batches
+    assert defaults.long_prompt_share == d.mix.long_prompt_share
+    args = build_parser("bench").parse_args(
+        ["bench", "serve", "--step-batches", "", "--long-prompt-share", "0.5"]
+    )
+    assert args.step_batches == () and args.long_prompt_share == 0.5
