@@ -345,9 +345,10 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
         lines.append(report.crosscheck_error or "Not run.")
     else:
         lines += [
-            f"{c.topology} at {c.rate:g} req/s, the same arrival schedule replayed by "
-            f"`vllm.benchmarks.serve` right after kvmux's run of it, with fresh prompts "
-            f"(log: {c.vllm_log}). The two runs agree within 10%: "
+            f"{c.topology} at {c.rate:g} req/s: after kvmux's run of that point, its arrival "
+            "schedule replayed by `vllm.benchmarks.serve`, then by kvmux's load generator, "
+            "back to back on the same (equally warm) servers, fresh prompts of the same kinds "
+            f"each (log: {c.vllm_log}). The two replays agree within 10%: "
             f"**{_yes(all(f.agrees for f in c.clients))}**; kvmux's metrics over vLLM's own "
             f"timings equal vLLM's: **{_yes(all(f.agrees for f in c.definitions))}**. "
             f"Load average at the end of kvmux's run: {_load_of(report, c.topology, c.rate)}.",

@@ -99,6 +99,15 @@ def run_serve(
         except (ServerError, OSError) as exc:
             results.notes.append(f"the step profile was not measured: {exc}")
             progress(results.notes[-1])
+        else:
+            for point in results.steps.steps:
+                itl = point.itl
+                progress(
+                    f"  {point.path}, batch {point.batch}: "
+                    f"ITL p50/p99 {itl.p50_ms:.1f}/{itl.p99_ms:.1f} ms"
+                )
+            for prefill in results.steps.prefills:
+                progress(f"  prefill of {prefill.prompt_tokens} tokens: {prefill.ttft_ms:.0f} ms")
     for topology in settings.topologies():
         progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
         try:
