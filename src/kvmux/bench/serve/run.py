@@ -11,7 +11,7 @@ serving benchmark (:mod:`~kvmux.bench.serve.crosscheck`). The results go to
 
 The defaults are sized for a 2-core machine and about 20 minutes: the step
 profile (:mod:`~kvmux.bench.serve.steps`, ~2 min), four topologies of ~40 s
-start-up each, five rates of 30 s of arrivals each (and their drains).
+start-up each, five rates of 40 s of arrivals each (and their drains).
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ class ServeSettings(BaseModel):
         (256, 512, 2048), description="colocated --max-num-batched-tokens values"
     )
     backends: tuple[Literal["shm", "tcp"], ...] = Field(("shm",), description="1P1D backends")
-    duration_s: float = Field(30.0, gt=0, description="seconds of arrivals per rate")
+    duration_s: float = Field(
+        40.0, gt=0, description="seconds of arrivals per rate (~1000 token gaps at 1 req/s)"
+    )
     seed: int = Field(0, ge=0)
     mix: RequestMix = RequestMix()
     slo: Slo = Slo()
