@@ -49,7 +49,9 @@ from kvmux.demo.run import stop_all
 from kvmux.demo.servers import ServerError, VllmServer
 from kvmux.models import random_prompts
 
-Path_ = Literal["direct", "via proxy", "kvmux decode server", "kvmux decode, other core prefilling"]
+ProbePath = Literal[
+    "direct", "via proxy", "kvmux decode server", "kvmux decode, other core prefilling"
+]
 
 #: Prompt of each decode in a batch: short, so the step is decode work alone.
 DECODE_PROMPT_TOKENS = 64
@@ -62,7 +64,7 @@ class StepPoint(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    path: Path_
+    path: ProbePath
     batch: int
     itl: LatencyStats
 
@@ -83,7 +85,7 @@ class StepProfile(BaseModel):
     steps: list[StepPoint]
     prefills: list[PrefillPoint]
 
-    def step(self, path: Path_, batch: int) -> StepPoint | None:
+    def step(self, path: ProbePath, batch: int) -> StepPoint | None:
         return next((s for s in self.steps if s.path == path and s.batch == batch), None)
 
 
@@ -131,7 +133,7 @@ def profile_steps(
         )
         proxy = ProxyProcess(config, log_dir / "proxy.log")
         proxied = proxy.start()
-        urls: list[tuple[Path_, str]] = [
+        urls: list[tuple[ProbePath, str]] = [
             ("direct", plain.url),
             ("via proxy", proxied),
             ("kvmux decode server", decode.url),
@@ -159,7 +161,7 @@ def profile_steps(
                     prompts.take(batch, DECODE_PROMPT_TOKENS),
                     decode_tokens,
                     plain.url,
-                    prompts.take(1_000, long_prompt_tokens),
+                    prompts.take(100, long_prompt_tokens),
                     settings.request_timeout_s,
                 )
             )
