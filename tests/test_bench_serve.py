@@ -275,6 +275,7 @@ def test_summary_compares_1p1d_with_every_chunk_size_and_shows_the_step_profile(
     assert "| 1P1D shm | colocated chunk=256 | 1 | 101.0 / 100.0 | 40 / 50 | 0.80 | no |" in md
     assert "| 1P1D shm | colocated chunk=2048 | 1 | 101.0 / 100.0 | 40 / 300 | 0.13 | yes |" in md
     assert "Direction as claimed: **no**" in md  # the strongest opponent is chunk=256
+    assert "It holds at no rate req/s and not at 1 req/s of equal throughput." in md
     assert "| 4 | 13.0 / 20.0 |" in md
     assert "| TTFT ms | 47 |" in md
     assert ServeReport.model_validate(json.loads(report.model_dump_json())) == report

@@ -231,6 +231,17 @@ def _triple(stats: LatencyStats | None) -> str:
     return f"{stats.p50_ms:.0f} / {stats.p90_ms:.0f} / {stats.p99_ms:.0f}"
 
 
+def _where_it_holds(points: Sequence[ClaimPoint]) -> str:
+    """The rates of equal throughput split by whether the claim holds there."""
+    equal = [p for p in points if p.equal_throughput]
+    held = [f"{p.rate:g}" for p in equal if p.holds]
+    not_held = [f"{p.rate:g}" for p in equal if not p.holds]
+    return (
+        f"It holds at {', '.join(held) or 'no rate'} req/s and not at "
+        f"{', '.join(not_held) or 'any other'} req/s of equal throughput."
+    )
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -312,8 +323,8 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
             )
         lines += [
             "",
-            f"Direction as claimed: **{'yes' if v.direction_matches else 'no'}**. "
-            f"Crossover: {v.crossover}.",
+            f"Direction as claimed: **{'yes' if v.direction_matches else 'no'}** (at every rate "
+            f"of equal throughput). {_where_it_holds(v.points)} Crossover: {v.crossover}.",
             "",
         ]
     pairs = every_pair(report.runs)
