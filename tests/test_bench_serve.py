@@ -62,7 +62,12 @@ def test_poisson_schedule_refuses_a_rate_that_is_not_positive(rate: float) -> No
 
 
 def test_plan_mixes_both_kinds_with_exact_lengths_and_distinct_prompts() -> None:
-    mix = RequestMix(long_prompt_tokens=300, long_output_prompt_tokens=20, long_output_tokens=40)
+    mix = RequestMix(
+        long_prompt_tokens=300,
+        long_output_prompt_tokens=20,
+        long_output_tokens=40,
+        long_prompt_share=0.5,
+    )
     planned = plan(mix, rate=5.0, duration_s=40.0, seed=3, prompt_seed=9, vocab_size=512)
     assert len(planned) == 200
     kinds = [r.kind for r in planned]
@@ -81,11 +86,13 @@ def test_rates_never_share_prompts_and_a_fresh_replay_keeps_the_schedule() -> No
     settings = ServeSettings(rates=(1.0, 2.0), duration_s=10.0)
     first, second = settings.plan_for(0), settings.plan_for(1)
     assert not {tuple(r.prompt) for r in first} & {tuple(r.prompt) for r in second}
-    fresh = settings.plan_for(0, fresh_prompts=True)
-    assert [(r.arrival_s, r.kind, r.max_tokens) for r in fresh] == [
-        (r.arrival_s, r.kind, r.max_tokens) for r in first
-    ]
-    assert not {tuple(r.prompt) for r in fresh} & {tuple(r.prompt) for r in first}
+    fresh, other = settings.plan_for(0, replay=1), settings.plan_for(0, replay=2)
+    for replayed in (fresh, other):
+        assert [(r.arrival_s, r.kind, r.max_tokens) for r in replayed] == [
+            (r.arrival_s, r.kind, r.max_tokens) for r in first
+        ]
+        assert not {tuple(r.prompt) for r in replayed} & {tuple(r.prompt) for r in first}
+    assert not {tuple(r.prompt) for r in fresh} & {tuple(r.prompt) for r in other}
 
 
 # ------------------------------------------------------------------ metrics
@@ -249,6 +256,42 @@ def test_report_round_trips_through_json_and_summarises_in_markdown(tmp_path: Pa
     assert "Not run." in md
 
 
+def test_summary_compares_1p1d_with_every_chunk_size_and_shows_the_step_profile() -> None:
+    from kvmux.bench.serve.metrics import LatencyStats
+    from kvmux.bench.serve.steps import PrefillPoint, StepPoint, StepProfile
+
+    runs = [
+        _run("colocated chunk=256", 1.0, 100.0, 50.0, 1.0),
+        _run("colocated chunk=2048", 1.0, 100.0, 300.0, 1.0),
+        _run("1P1D shm", 1.0, 101.0, 40.0, 1.0),
+    ]
+    itl = LatencyStats(samples=10, mean_ms=14.0, p50_ms=13.0, p90_ms=15.0, p99_ms=20.0)
+    steps = StepProfile(
+        steps=[StepPoint(path="direct", batch=4, itl=itl)],
+        prefills=[PrefillPoint(prompt_tokens=256, ttft_ms=47.0)],
+    )
+    report = _report(runs).model_copy(update={"steps": steps})
+    md = markdown(report)
+    assert "| 1P1D shm | colocated chunk=256 | 1 | 101.0 / 100.0 | 40 / 50 | 0.80 | no |" in md
+    assert "| 1P1D shm | colocated chunk=2048 | 1 | 101.0 / 100.0 | 40 / 300 | 0.13 | yes |" in md
+    assert "Direction as claimed: **no**" in md  # the strongest opponent is chunk=256
+    assert "It holds at no rate req/s and not at 1 req/s of equal throughput." in md
+    assert "| 4 | 13.0 / 20.0 |" in md
+    assert "| TTFT ms | 47 |" in md
+    assert ServeReport.model_validate(json.loads(report.model_dump_json())) == report
+
+
+def test_step_profile_settings_are_validated_and_prefill_lengths_follow_the_chunks() -> None:
+    settings = ServeSettings(chunk_sizes=(256, 512, 4096), mix=RequestMix(long_prompt_tokens=2048))
+    assert settings.prefill_lengths() == [256, 512, 2048]
+    with pytest.raises(ValueError, match="step batches"):
+        ServeSettings(step_batches=(0, 4))
+    with pytest.raises(ValueError, match="step batches"):
+        ServeSettings(step_batches=(128,), max_num_seqs=64)
+    with pytest.raises(ValueError, match="replay"):
+        ServeSettings().plan_for(0, replay=10)
+
+
 def test_plots_are_written_as_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from kvmux.bench.serve.plots import write_plots
@@ -359,8 +402,12 @@ async def fake_server(tokens_each: int, gap_s: float) -> AsyncIterator[tuple[str
         await out.write_eof()
         return out
 
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
     async with running_app(app) as url:
         yield url, got
 
@@ -387,6 +434,37 @@ def test_load_generator_sends_on_schedule_and_times_every_chunk() -> None:
     assert {b["stream"] for b in got} == {True}
     assert {b["ignore_eos"] for b in got} == {True}
     assert got[0]["max_tokens"] == 4 and got[0]["prompt"] == [5, 6]
+
+
+def test_proxy_process_relays_every_chunk_from_its_own_process_and_stops(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    from kvmux.bench.serve.proxy_process import ProxyProcess
+    from kvmux.proxy import ProxyConfig
+
+    requests = [PlannedRequest(0, "long-output", [5, 6], 4, 0.0)]
+    proxy_cpu: list[float] = []
+
+    async def go() -> tuple[list[RequestTiming], int | None]:
+        async with fake_server(tokens_each=4, gap_s=0.05) as (url, _):
+            proxy = ProxyProcess(ProxyConfig(colocated=True, decode=[url]), tmp_path / "p.log")
+            try:
+                front = await asyncio.to_thread(proxy.start)
+                assert front != url
+                timings = await run_load(front, "m", requests, timeout_s=10)
+                proxy_cpu.append(proxy.cpu_seconds())
+                return timings, proxy.pid
+            finally:
+                await asyncio.to_thread(proxy.stop)
+
+    (timing,), pid = asyncio.run(asyncio.wait_for(go(), 60))
+    assert proxy_cpu[0] > 0
+    assert timing.ok and timing.output_tokens == 4 and len(timing.chunk_times_s) == 4
+    assert pid is not None and pid != os.getpid()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 # ------------------------------------------------------------------ topologies
@@ -446,3 +524,16 @@ def test_a_topology_that_cannot_start_is_reported_and_the_results_still_written(
     assert any("colocated chunk=256 was not measured" in n for n in report.notes)
     assert (tmp_path / "results.json").is_file()
     assert "exited with status 1" in (tmp_path / "summary.md").read_text()
+
+
+def test_command_line_takes_the_mix_share_and_step_batches_with_the_settings_defaults() -> None:
+    from kvmux.cli.main import build_parser
+
+    defaults = build_parser("bench").parse_args(["bench", "serve"])
+    d = ServeSettings()
+    assert defaults.step_batches == d.step_batches
+    assert defaults.long_prompt_share == d.mix.long_prompt_share
+    args = build_parser("bench").parse_args(
+        ["bench", "serve", "--step-batches", "", "--long-prompt-share", "0.5"]
+    )
+    assert args.step_batches == () and args.long_prompt_share == 0.5

@@ -1,10 +1,10 @@
 """``kvmux bench serve`` on real vLLM servers: the smallest run that goes through it all.
 
 One 1P1D topology over ``shm`` (two pinned servers and the proxy), one rate,
-a few seconds of arrivals of short prompts, and the cross-check with vLLM's
-own serving benchmark: about a minute on two cores. The colocated topology
-differs only in its servers' flags and the proxy's mode, each tested on its
-own (``test_proxy.py``, ``test_bench_serve.py``).
+a few seconds of arrivals of short prompts, a two-batch step profile and the
+cross-check with vLLM's own serving benchmark: about two minutes on two
+cores. The colocated topology differs only in its servers' flags and the
+proxy's mode, each tested on its own (``test_proxy.py``, ``test_bench_serve.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def test_smallest_serve_run_measures_pd_loads_kv_and_agrees_with_vllms_definitio
         ),
         slo=Slo(ttft_ms=60_000, itl_ms=60_000),  # a busy test machine: every request is good
         request_timeout_s=120.0,
+        step_batches=(1, 2),
+        step_tokens=8,
     )
     report = run_serve(settings, tmp_path, progress=print)
 
@@ -58,6 +60,14 @@ def test_smallest_serve_run_measures_pd_loads_kv_and_agrees_with_vllms_definitio
     assert all(d.agrees for d in check.definitions), check.definitions
     saved = ServeReport.model_validate(json.loads((tmp_path / "results.json").read_text()))
     assert saved.runs == report.runs
+    assert report.steps is not None, report.notes
+    assert [(s.path, s.batch) for s in report.steps.steps][:3] == [
+        ("direct", 1),
+        ("via proxy", 1),
+        ("kvmux decode server", 1),
+    ]
+    assert [p.prompt_tokens for p in report.steps.prefills] == [400]
     summary = (tmp_path / "summary.md").read_text()
     assert "| 1P1D shm | 2 | 6 / 6 |" in summary
     assert "Cross-check with vLLM's serving benchmark" in summary
+    assert "## The mechanism, measured on one core" in summary

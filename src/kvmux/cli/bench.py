@@ -96,11 +96,19 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve: colocated prefill chunks, --max-num-batched-tokens "
         f"(default {_listed(d.chunk_sizes)}; empty: no colocated runs)",
     )
+    serve.add_argument(
+        "--step-batches",
+        type=_ints,
+        default=d.step_batches,
+        help="serve: batch sizes of the step profile, decode step time vs batch on one core "
+        f"(default {_listed(d.step_batches)}; empty: no profile)",
+    )
     mix, slo = d.mix, d.slo
     numbers: list[tuple[str, type[float] | type[int], float, str]] = [
         ("--duration-s", float, d.duration_s, "seconds of Poisson arrivals per rate"),
         ("--long-prompt-tokens", int, mix.long_prompt_tokens, "prompt of the long-prompt requests"),
         ("--long-output-tokens", int, mix.long_output_tokens, "output of the long-output requests"),
+        ("--long-prompt-share", float, mix.long_prompt_share, "fraction of long-prompt requests"),
         ("--slo-ttft-ms", float, slo.ttft_ms, "goodput's bound on TTFT"),
         ("--slo-itl-ms", float, slo.itl_ms, "goodput's bound on every token gap"),
     ]
@@ -228,7 +236,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             mix=RequestMix(
                 long_prompt_tokens=args.long_prompt_tokens,
                 long_output_tokens=args.long_output_tokens,
+                long_prompt_share=args.long_prompt_share,
             ),
+            step_batches=args.step_batches,
             slo=Slo(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms),
             crosscheck=not args.no_crosscheck,
         )

@@ -2,11 +2,17 @@
 
 ``vllm.benchmarks.serve.benchmark`` (importable although the ``vllm`` CLI is
 not, shared/NOTES.md) is driven on the same topology with the same arrival
-schedule (its ``self_timed`` mode replays our arrival times) and fresh prompts
-of the same shapes (the same prompts again would be prefix-cache hits). Two
-comparisons come out of it:
+schedule (its ``self_timed`` mode replays our arrival times). Like is compared
+with like: right after kvmux's run of the point (which warms the servers),
+vLLM's benchmark replays it, then kvmux's load generator replays it again;
+each replay has fresh prompts of the same kinds and lengths (the same prompts
+again would be prefix-cache hits), so the two clients meet equally warm
+servers, back to back, and neither shares a process with the proxy
+(:mod:`~kvmux.bench.serve.proxy_process`). The first run of the point, on
+servers that had served only the warm-up, is not what vLLM's replay is held
+against. Two comparisons come out of it:
 
-* **client vs client** - kvmux's run and vLLM's run of that point: output
+* **client vs client** - kvmux's replay and vLLM's replay of that point: output
   throughput, mean TTFT and median ITL should agree within 10% (two runs on
   a noisy machine: no tails, which differ by nature; and the mean TTFT, since
   TTFTs of a mix of long and short prompts fall in two clusters whose median
@@ -28,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kvmux.bench.serve.load import run_load
 from kvmux.bench.serve.metrics import RequestTiming, RunMetrics, Slo, summarize
 from kvmux.bench.serve.workload import PlannedRequest
 
@@ -57,7 +64,7 @@ class CrossCheck(BaseModel):
     topology: str
     rate: float
     clients: list[FigureCheck]
-    """kvmux's run against vLLM's run of the same point."""
+    """kvmux's replay against vLLM's replay of the same point."""
     definitions: list[FigureCheck]
     """kvmux's metrics over vLLM's timings against vLLM's metrics over them."""
     vllm_log: str
@@ -180,22 +187,28 @@ def compare(
 
 
 def cross_check(
-    ours: RunMetrics,
+    topology: str,
+    rate: float,
     url: str,
     model: str,
     tokenizer_dir: Path,
-    requests: Sequence[PlannedRequest],
+    replays: tuple[Sequence[PlannedRequest], Sequence[PlannedRequest]],
     slo: Slo,
     log: Path,
+    timeout_s: float,
 ) -> CrossCheck:
-    """Run vLLM's benchmark on the point ``ours`` measured (``requests``: the same
-    schedule, fresh prompts) and compare."""
-    result = vllm_benchmark(url, model, tokenizer_dir, requests, log)
-    theirs_as_ours = summarize(ours.topology, ours.rate, timings_from_vllm(result, requests), slo)
+    """vLLM's benchmark over ``replays[0]``, then kvmux's load generator over
+    ``replays[1]`` (the same schedule and kinds, other fresh prompts), and compare."""
+    theirs, ours_planned = replays
+    result = vllm_benchmark(url, model, tokenizer_dir, theirs, log)
+    ours = summarize(
+        topology, rate, asyncio.run(run_load(url, model, ours_planned, timeout_s)), slo
+    )
+    theirs_as_ours = summarize(topology, rate, timings_from_vllm(result, theirs), slo)
     clients, definitions = compare(ours, result, theirs_as_ours)
     return CrossCheck(
-        topology=ours.topology,
-        rate=ours.rate,
+        topology=topology,
+        rate=rate,
         clients=clients,
         definitions=definitions,
         vllm_log=str(log),

@@ -144,6 +144,11 @@ class RunMetrics(BaseModel):
     """The machine's 1-minute load average as the run ended. The benchmark's own
     processes count (two servers of an API and an engine process each, the client):
     2 or more under load on their own; well above that, others shared the cores."""
+    client_cores: float | None = None
+    """CPU time the load generator's process used over the run's wall time (cores);
+    it is not pinned, so this much was taken from the servers' cores."""
+    proxy_cores: float | None = None
+    """The same for the proxy's process."""
 
 
 def summarize(topology: str, rate: float, timings: Sequence[RequestTiming], slo: Slo) -> RunMetrics:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvmux.bench.serve.crosscheck import CrossCheck
 from kvmux.bench.serve.metrics import LatencyStats, RunMetrics
+from kvmux.bench.serve.steps import StepProfile
 
 #: Throughputs within this relative difference count as equal.
 EQUAL_THROUGHPUT = 0.10
@@ -89,6 +90,8 @@ class ServeReport(BaseModel):
     crosscheck_error: str | None = None
     kv_loaded: dict[str, dict[str, float]] = {}
     """Per 1P1D topology, its decode server's kvmux load counters over all its runs."""
+    steps: StepProfile | None = None
+    """Decode step vs batch and prefill vs length on one core (the mechanism)."""
     notes: list[str] = []
 
 
@@ -96,33 +99,44 @@ def _comparable(run: RunMetrics) -> bool:
     return run.itl is not None and run.output_throughput > 0
 
 
+def pair(pd: RunMetrics, colocated: RunMetrics) -> ClaimPoint | None:
+    """1P1D against one colocated run of the same rate; None if either has no ITL."""
+    if not (_comparable(pd) and _comparable(colocated)):
+        return None
+    assert pd.itl is not None and colocated.itl is not None
+    return ClaimPoint(
+        rate=pd.rate,
+        pd=pd.topology,
+        colocated=colocated.topology,
+        pd_throughput=pd.output_throughput,
+        colocated_throughput=colocated.output_throughput,
+        pd_p99_itl_ms=pd.itl.p99_ms,
+        colocated_p99_itl_ms=colocated.itl.p99_ms,
+        pd_goodput=pd.goodput,
+        colocated_goodput=colocated.goodput,
+    )
+
+
 def claim_point(pd: RunMetrics, colocated: Sequence[RunMetrics]) -> ClaimPoint | None:
     """1P1D at one rate against the colocated run that serves it best: among those at
     equal throughput, the one with the lowest p99 ITL (the strongest opponent); if none
     is at equal throughput, the one with the highest throughput."""
-    candidates = [c for c in colocated if _comparable(c)]
-    if not _comparable(pd) or not candidates:
+    points = [p for p in (pair(pd, c) for c in colocated) if p is not None]
+    if not points:
         return None
-
-    def point(c: RunMetrics) -> ClaimPoint:
-        assert pd.itl is not None and c.itl is not None
-        return ClaimPoint(
-            rate=pd.rate,
-            pd=pd.topology,
-            colocated=c.topology,
-            pd_throughput=pd.output_throughput,
-            colocated_throughput=c.output_throughput,
-            pd_p99_itl_ms=pd.itl.p99_ms,
-            colocated_p99_itl_ms=c.itl.p99_ms,
-            pd_goodput=pd.goodput,
-            colocated_goodput=c.goodput,
-        )
-
-    points = [point(c) for c in candidates]
     equal = [p for p in points if p.equal_throughput]
     if equal:
         return min(equal, key=lambda p: p.colocated_p99_itl_ms)
     return max(points, key=lambda p: p.colocated_throughput)
+
+
+def every_pair(runs: Sequence[RunMetrics]) -> list[ClaimPoint]:
+    """Each 1P1D run against each colocated run of its rate: where the claim holds
+    against which chunk size, not only against the strongest."""
+    pds = [r for r in runs if r.topology.startswith("1P1D")]
+    colocated = [r for r in runs if r.topology.startswith("colocated")]
+    pairs = [pair(p, c) for p in pds for c in colocated if c.rate == p.rate]
+    return sorted((p for p in pairs if p is not None), key=lambda p: (p.pd, p.colocated, p.rate))
 
 
 def crossover(points: Sequence[ClaimPoint]) -> str:
@@ -169,6 +183,44 @@ def verdicts(runs: Sequence[RunMetrics]) -> list[Verdict]:
 # ------------------------------------------------------------------ writing
 
 
+def _steps_section(steps: StepProfile | None) -> list[str]:
+    """The measured mechanism: how a decode step grows with the batch on one core
+    (1P1D's decode server holds every decode), and what a prefill chunk costs
+    (what it adds to a colocated decode step)."""
+    if steps is None:
+        return []
+    paths = list(dict.fromkeys(s.path for s in steps.steps))
+    batches = sorted({s.batch for s in steps.steps})
+    lines = [
+        "## The mechanism, measured on one core",
+        "",
+        "Decode step vs batch: `n` requests of 64-token prompts decoding together on one "
+        "pinned server; their token gaps, p50 / p99 ms.",
+        "",
+        "| batch | " + " | ".join(paths) + " |",
+        "|---:|" + "---:|" * len(paths),
+    ]
+    for b in batches:
+        cells = []
+        for path in paths:
+            point = steps.step(path, b)
+            cells.append(
+                "-" if point is None else f"{point.itl.p50_ms:.1f} / {point.itl.p99_ms:.1f}"
+            )
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Prefill vs length (one request alone, time to first token; a colocated chunk of "
+        "that many tokens adds about this to the decode step it shares):",
+        "",
+        "| prompt tokens | " + " | ".join(str(p.prompt_tokens) for p in steps.prefills) + " |",
+        "|---|" + "---:|" * len(steps.prefills),
+        "| TTFT ms | " + " | ".join(f"{p.ttft_ms:.0f}" for p in steps.prefills) + " |",
+        "",
+    ]
+    return lines
+
+
 def write_json(report: ServeReport, path: Path) -> None:
     path.write_text(json.dumps(report.model_dump(mode="json"), indent=1) + "\n")
 
@@ -177,6 +229,17 @@ def _triple(stats: LatencyStats | None) -> str:
     if stats is None:
         return "-"
     return f"{stats.p50_ms:.0f} / {stats.p90_ms:.0f} / {stats.p99_ms:.0f}"
+
+
+def _where_it_holds(points: Sequence[ClaimPoint]) -> str:
+    """The rates of equal throughput split by whether the claim holds there."""
+    equal = [p for p in points if p.equal_throughput]
+    held = [f"{p.rate:g}" for p in equal if p.holds]
+    not_held = [f"{p.rate:g}" for p in equal if not p.holds]
+    return (
+        f"It holds at {', '.join(held) or 'no rate'} req/s and not at "
+        f"{', '.join(not_held) or 'any other'} req/s of equal throughput."
+    )
 
 
 def _yes(flag: bool) -> str:
@@ -207,21 +270,29 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
     lines += [*(f"Note: {n}" for n in report.notes), "", "## Runs", ""]
     lines += [
         "| topology | rate (req/s) | done / sent | output tok/s | goodput req/s | "
-        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | E2E p50/p90/p99 ms | load | "
+        "client / proxy cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.runs:
         load = "-" if r.load_average is None else f"{r.load_average:.1f}"
+        used = (
+            "-"
+            if r.client_cores is None or r.proxy_cores is None
+            else f"{r.client_cores:.2f} / {r.proxy_cores:.2f}"
+        )
         lines.append(
             f"| {r.topology} | {r.rate:g} | {r.completed} / {r.requests} | "
             f"{r.output_throughput:.1f} | {r.goodput:.2f} | {_triple(r.ttft)} | "
-            f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} |"
+            f"{_triple(r.itl)} | {_triple(r.e2e)} | {load} | {used} |"
         )
     lines.append(
         "\nload: the 1-minute load average as the run ended. This benchmark's own processes "
         "count (two servers of an API and an engine process each, the client and proxy): "
         "2 or more under load on their own; well above that, other processes "
-        "shared the pinned cores."
+        "shared the pinned cores. client / proxy cores: CPU time of the load generator's "
+        "and the proxy's processes over the run's wall time; both are unpinned, so this "
+        "much CPU was taken from the servers' two cores."
     )
     failed = [r for r in report.runs if r.errors]
     for r in failed:
@@ -252,25 +323,43 @@ def markdown(report: ServeReport, plots: Sequence[str] = ()) -> str:
             )
         lines += [
             "",
-            f"Direction as claimed: **{'yes' if v.direction_matches else 'no'}**. "
-            f"Crossover: {v.crossover}.",
+            f"Direction as claimed: **{'yes' if v.direction_matches else 'no'}** (at every rate "
+            f"of equal throughput). {_where_it_holds(v.points)} Crossover: {v.crossover}.",
             "",
         ]
+    pairs = every_pair(report.runs)
+    if pairs:
+        lines += [
+            "### 1P1D against every colocated configuration",
+            "",
+            "| 1P1D | colocated | rate | tok/s 1P1D / colo | p99 ITL 1P1D / colo ms | ratio "
+            "| holds |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        lines += [
+            f"| {p.pd} | {p.colocated} | {p.rate:g} | {p.pd_throughput:.1f} / "
+            f"{p.colocated_throughput:.1f} | {p.pd_p99_itl_ms:.0f} / "
+            f"{p.colocated_p99_itl_ms:.0f} | {p.itl_ratio:.2f} | {_yes(p.holds)} |"
+            for p in pairs
+        ]
+        lines.append("")
     if report.verdicts:
         lines += [
             "Throughput is vLLM's: generated tokens over the whole run, its drain included; "
             "at a rate both sustain, the one with the slower tail reads lower.",
             "",
         ]
+    lines += _steps_section(report.steps)
     lines += ["## Cross-check with vLLM's serving benchmark", ""]
     c = report.crosscheck
     if c is None:
         lines.append(report.crosscheck_error or "Not run.")
     else:
         lines += [
-            f"{c.topology} at {c.rate:g} req/s, the same arrival schedule replayed by "
-            f"`vllm.benchmarks.serve` right after kvmux's run of it, with fresh prompts "
-            f"(log: {c.vllm_log}). The two runs agree within 10%: "
+            f"{c.topology} at {c.rate:g} req/s: after kvmux's run of that point, its arrival "
+            "schedule replayed by `vllm.benchmarks.serve`, then by kvmux's load generator, "
+            "back to back on the same (equally warm) servers, fresh prompts of the same kinds "
+            f"each (log: {c.vllm_log}). The two replays agree within 10%: "
             f"**{_yes(all(f.agrees for f in c.clients))}**; kvmux's metrics over vLLM's own "
             f"timings equal vLLM's: **{_yes(all(f.agrees for f in c.definitions))}**. "
             f"Load average at the end of kvmux's run: {_load_of(report, c.topology, c.rate)}.",

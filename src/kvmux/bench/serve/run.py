@@ -9,8 +9,9 @@ serving benchmark (:mod:`~kvmux.bench.serve.crosscheck`). The results go to
 ``--out``: ``results.json`` (everything, every token gap included),
 ``summary.md`` and two PNG plots (:mod:`~kvmux.bench.serve.plots`).
 
-The defaults are sized for a 2-core machine and about 20 minutes: four
-topologies of ~40 s start-up each, four rates of 30 s of arrivals each (and their drains).
+The defaults are sized for a 2-core machine and about 20 minutes: the step
+profile (:mod:`~kvmux.bench.serve.steps`, ~2 min), four topologies of ~40 s
+start-up each, five rates of 40 s of arrivals each (and their drains).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvmux.bench.serve.metrics import RunMetrics, summarize
 from kvmux.bench.serve.plots import missing_reason, write_plots
 from kvmux.bench.serve.report import ServeReport, markdown, verdicts, write_json
 from kvmux.bench.serve.settings import SERVE_MODEL, ServeSettings
+from kvmux.bench.serve.steps import StepProfile, profile_steps
 from kvmux.bench.serve.topology import (
     SERVED_MODEL,
     ServerSettings,
@@ -57,6 +59,7 @@ class _Results:
     kv: dict[str, dict[str, float]] = field(default_factory=dict)
     check: CrossCheck | None = None
     check_error: str | None = None
+    steps: StepProfile | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -80,6 +83,31 @@ def run_serve(
     model_dir = tiny_model(SERVE_MODEL)
     pds = [t for t in settings.topologies() if t.kind == "pd"]
     checked = pds[0] if settings.crosscheck and pds else None
+    if settings.step_batches and pds:
+        progress(f"step profile: decode step vs batch {list(settings.step_batches)}, one core")
+        try:
+            results.steps = profile_steps(
+                model_dir,
+                out / "logs" / "steps",
+                _server_settings(settings),
+                pds[0],
+                settings.step_batches,
+                settings.step_tokens,
+                settings.prefill_lengths(),
+                settings.mix.long_prompt_tokens,
+            )
+        except (ServerError, OSError) as exc:
+            results.notes.append(f"the step profile was not measured: {exc}")
+            progress(results.notes[-1])
+        else:
+            for point in results.steps.steps:
+                itl = point.itl
+                progress(
+                    f"  {point.path}, batch {point.batch}: "
+                    f"ITL p50/p99 {itl.p50_ms:.1f}/{itl.p99_ms:.1f} ms"
+                )
+            for prefill in results.steps.prefills:
+                progress(f"  prefill of {prefill.prompt_tokens} tokens: {prefill.ttft_ms:.0f} ms")
     for topology in settings.topologies():
         progress(f"{topology.name}: starting servers (logs in {out / 'logs'})")
         try:
@@ -102,6 +130,7 @@ def run_serve(
         crosscheck=results.check,
         crosscheck_error=results.check_error,
         kv_loaded=results.kv,
+        steps=results.steps,
         notes=results.notes,
     )
     write_json(report, out / "results.json")
@@ -121,38 +150,44 @@ def _measure(
 ) -> None:
     """One topology: start it, every rate (and the cross-check, if this is the topology
     for it), then its decode's kvmux counters."""
-    server = ServerSettings(
-        max_model_len=settings.mix.longest_sequence,
-        max_num_seqs=settings.max_num_seqs,
-        request_timeout_s=settings.request_timeout_s,
-    )
-    with serving(topology, model_dir, out / "logs", server) as served:
+    with serving(topology, model_dir, out / "logs", _server_settings(settings)) as served:
         _warm_up(served.url, settings.mix, settings.request_timeout_s)
-        # The lowest rate is cross-checked: the least noisy point to measure twice,
-        # and right after kvmux's own run of it, so both see the same machine.
+        # The lowest rate is cross-checked: the least noisy point to measure again,
+        # right after kvmux's own run of it (crosscheck: like with like).
         checked_index = settings.rates.index(min(settings.rates)) if cross_checked else None
         for index, rate in enumerate(settings.rates):
             planned = settings.plan_for(index)
             progress(f"{topology.name}: {rate:g} req/s, {len(planned)} requests")
+            wall, client, proxy = (
+                time.perf_counter(),
+                time.process_time(),
+                served.proxy_cpu_seconds(),
+            )
             timings = asyncio.run(
                 run_load(served.url, SERVED_MODEL, planned, settings.request_timeout_s)
             )
-            run = summarize(topology.name, rate, timings, settings.slo).model_copy(
-                update={"load_average": round(os.getloadavg()[0], 2)}
-            )
+            wall = time.perf_counter() - wall
+            used = {
+                "load_average": round(os.getloadavg()[0], 2),
+                "client_cores": round((time.process_time() - client) / wall, 3),
+                "proxy_cores": round((served.proxy_cpu_seconds() - proxy) / wall, 3),
+            }
+            run = summarize(topology.name, rate, timings, settings.slo).model_copy(update=used)
             results.runs.append(run)
             progress("  " + one_line(run))
             if index == checked_index:
                 progress(f"{topology.name}: cross-check with vLLM's benchmark at {rate:g} req/s")
                 try:
                     results.check = cross_check(
-                        run,
+                        topology.name,
+                        rate,
                         served.url,
                         SERVED_MODEL,
                         model_dir,
-                        settings.plan_for(index, fresh_prompts=True),
+                        (settings.plan_for(index, replay=1), settings.plan_for(index, replay=2)),
                         settings.slo,
                         out / "logs" / "vllm-benchmark.log",
+                        settings.request_timeout_s,
                     )
                 except (ImportError, ValueError, KeyError) as exc:
                     results.check_error = f"the cross-check failed: {type(exc).__name__}: {exc}"
@@ -164,6 +199,14 @@ def _measure(
             progress(f"{topology.name}: decode's kvmux counters {kv}")
 
 
+def _server_settings(settings: ServeSettings) -> ServerSettings:
+    return ServerSettings(
+        max_model_len=settings.mix.longest_sequence,
+        max_num_seqs=settings.max_num_seqs,
+        request_timeout_s=settings.request_timeout_s,
+    )
+
+
 def one_line(run: RunMetrics) -> str:
     itl = run.itl
     ttft = run.ttft
@@ -171,7 +214,8 @@ def one_line(run: RunMetrics) -> str:
         f"{run.completed}/{run.requests} done, {run.output_throughput:.1f} tok/s, "
         f"goodput {run.goodput:.2f} req/s, TTFT p50 {ttft.p50_ms if ttft else 0:.0f} ms, "
         f"ITL p50/p99 {itl.p50_ms if itl else 0:.0f}/{itl.p99_ms if itl else 0:.0f} ms, "
-        f"load average {run.load_average}"
+        f"load average {run.load_average}, client/proxy {run.client_cores}/{run.proxy_cores} "
+        "cores"
     )
 
 

@@ -9,7 +9,8 @@
 
 Each server is pinned with ``taskset`` (its OpenMP threads too), so both
 topologies use the same total cores and neither instance borrows the other's.
-The proxy and the load generator are not pinned; they are the same in both.
+The proxy and the load generator are not pinned; they are the same in both, each
+in a process of its own (:mod:`~kvmux.bench.serve.proxy_process`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmux.demo.run import BLOCK_SIZE, kv_transfer_config, stop_all
 from kvmux.demo.run import server_args as demo_server_args
-from kvmux.demo.servers import ProxyThread, VllmServer
+from kvmux.demo.servers import VllmServer
 
 #: One name on every server, so one request body fits each.
 SERVED_MODEL = "kvmux-bench-serve"
@@ -117,6 +118,8 @@ class Serving:
 
     url: str
     decode_urls: list[str]
+    proxy_cpu_seconds: Callable[[], float]
+    """CPU time the proxy process has used so far."""
 
 
 @contextlib.contextmanager
@@ -125,11 +128,13 @@ def serving(
 ) -> Iterator[Serving]:
     """``topology``'s servers and the proxy in front of them, for the ``with`` block.
     Every server is stopped on exit, whatever happened."""
+    from kvmux.bench.serve.proxy_process import ProxyProcess
     from kvmux.proxy import ProxyConfig
 
-    prefill, decode = servers_for(topology, model_dir, log_dir / _slug(topology.name), settings)
+    logs = log_dir / _slug(topology.name)
+    prefill, decode = servers_for(topology, model_dir, logs, settings)
     everything: Sequence[VllmServer] = [*prefill, *decode]
-    proxy: ProxyThread | None = None
+    proxy: ProxyProcess | None = None
     try:
         for s in everything:
             s.start()
@@ -142,9 +147,10 @@ def serving(
             port=0,
             timeout_s=settings.request_timeout_s,
         )
-        proxy = ProxyThread(config)
+        proxy = ProxyProcess(config, logs / "proxy.log")
         url = proxy.start()
-        yield Serving(url, [] if topology.kind == "colocated" else [s.url for s in decode])
+        decode_urls = [] if topology.kind == "colocated" else [s.url for s in decode]
+        yield Serving(url, decode_urls, proxy.cpu_seconds)
     finally:
         if proxy is not None:
             proxy.stop()
