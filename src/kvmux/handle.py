@@ -78,6 +78,9 @@ class Handle:
     keys: tuple[BlockKey, ...]
     _future: Future[TransferResult] | None = field(repr=False)
     _done: TransferResult | None = field(default=None, repr=False)
+    _run_here: Callable[[], object] | None = field(default=None, repr=False)
+    """Runs the transfer in the calling thread if it has not started yet (see
+    :meth:`kvmux.lanes.Lanes.run_here`): what a wait with no timeout does first."""
 
     @classmethod
     def completed(
@@ -101,10 +104,15 @@ class Handle:
         submit: Callable[[Callable[[], TransferResult]], Future[TransferResult]],
         work: Callable[[], Sequence[Outcome]],
         block_nbytes: int,
+        run_here: Callable[[Future[TransferResult]], object] | None = None,
     ) -> Handle:
-        """Run ``work`` through ``submit`` (an executor's), as :func:`run_transfer`."""
+        """Run ``work`` through ``submit`` (an executor's), as :func:`run_transfer`.
+        ``run_here(future)``, if given, runs the submitted job in the calling thread
+        when it has not started yet; a caller that waits with no timeout calls it."""
         keys = tuple(keys)
-        return cls(keys, submit(lambda: run_transfer(keys, work, block_nbytes)))
+        future = submit(lambda: run_transfer(keys, work, block_nbytes))
+        claim = None if run_here is None else lambda: run_here(future)
+        return cls(keys, future, _run_here=claim)
 
     def poll(self) -> bool:
         """True once the transfer has finished (successfully or not)."""
@@ -114,6 +122,8 @@ class Handle:
         """Block until finished or ``timeout`` seconds pass; True if finished."""
         if self._future is None:
             return True
+        if timeout is None and self._run_here is not None and not self._future.done():
+            self._run_here()
         try:
             self._future.result(timeout)
         except FutureTimeout:
@@ -127,6 +137,8 @@ class Handle:
         if self._future is None:
             assert self._done is not None
             return self._done
+        if timeout is None and self._run_here is not None and not self._future.done():
+            self._run_here()
         try:
             return self._future.result(timeout)
         except FutureTimeout:

@@ -155,7 +155,11 @@ class Runner:
         guarded = _unless_expired(len(keys), work, deadline, backend.config.timeout_s)
         lanes = backend.lanes
         handle = Handle.from_call(
-            keys, lambda fn: lanes.submit(lane, fn, width), guarded, block_nbytes
+            keys,
+            lambda fn: lanes.submit(lane, fn, width),
+            guarded,
+            block_nbytes,
+            run_here=lambda future: lanes.run_here(lane, future),
         )
         handle.add_done_callback(lambda r: counters.record(op, r))
         return handle

@@ -48,8 +48,11 @@ def _leading(flags: Iterable[bool], n: int) -> int:
 def _add_counts(counts: npt.NDArray[np.int32], idx: SlotArray, delta: int) -> None:
     """``counts[idx] += delta``, a slot listed twice counting twice. ``np.add.at``
     costs ~70 ns an element; a ``bincount`` over the whole pool is cheaper unless
-    ``idx`` is far shorter than the pool."""
-    if len(idx) * 16 < len(counts):
+    ``idx`` is far shorter than the pool; a few slots cost less than either's set-up."""
+    if len(idx) < SMALL_BATCH:  # a one-block lease: element by element is cheapest
+        for slot in idx.tolist():
+            counts[slot] += delta
+    elif len(idx) * 16 < len(counts):
         np.add.at(counts, idx, delta)
     else:
         counts += (np.bincount(idx, minlength=len(counts)) * delta).astype(counts.dtype)
