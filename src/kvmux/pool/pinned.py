@@ -54,8 +54,9 @@ class PinnedTransport(PullTransport):
         store = self.store
         with store.lock:
             serving = store.pool is not None
+            rows: Rows
             if not serving:
-                rows = np.full(len(keys), -1)
+                rows = np.full(len(keys), -1, dtype=np.int64)
             elif len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
                 rows = np.array(store.slots.find_few(keys), dtype=np.int64)
             else:
