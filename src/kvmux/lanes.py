@@ -16,6 +16,11 @@ and a peer that is merely slow gets its loads in order instead of a stampede.
 Why not a thread pool per peer: a pool's threads live for ever, and peers come
 and go (a restarted prefill has a new port); a lane's threads exist while it
 has work and a short ``linger_s`` after, then the lane is gone.
+
+A caller about to block on a job may run it itself (:meth:`Lanes.run_here`)
+if it is still the lane's next job and the lane has room: the job counts
+against the lane's width while it runs, so the bound on a peer's connections
+holds, and its deadline is checked when it starts, as on a lane thread.
 """
 
 from __future__ import annotations
