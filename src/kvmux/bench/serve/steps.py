@@ -41,11 +41,11 @@ from kvmux.bench.serve.topology import (
     SERVED_MODEL,
     ServerSettings,
     Topology,
+    fronted,
     pd_transfer_config,
     server_args,
 )
 from kvmux.bench.serve.workload import PlannedRequest, RequestKind
-from kvmux.demo.run import stop_all
 from kvmux.demo.servers import ServerError, VllmServer
 from kvmux.models import random_prompts
 
@@ -101,7 +101,6 @@ def profile_steps(
 ) -> StepProfile:
     """Start the two servers (plain on core 0, ``pd``'s decode server on core 1),
     measure, stop them; see the module docstring."""
-    from kvmux.bench.serve.proxy_process import ProxyProcess
     from kvmux.proxy import ProxyConfig
 
     whole = settings.max_model_len
@@ -121,18 +120,9 @@ def profile_steps(
         env={"VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib)},
         cpus=(1,),
     )
-    servers = [plain, decode]
-    proxy: ProxyProcess | None = None
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready(settings.start_timeout_s)
-        config = ProxyConfig(
-            colocated=True, decode=[plain.url], timeout_s=settings.request_timeout_s
-        )
-        proxy = ProxyProcess(config, log_dir / "proxy.log")
-        proxied = proxy.start()
+    config = ProxyConfig(colocated=True, decode=[plain.url], timeout_s=settings.request_timeout_s)
+    with fronted([plain, decode], config, log_dir / "proxy.log", settings) as proxy:
+        proxied = proxy.url
         urls: list[tuple[ProbePath, str]] = [
             ("direct", plain.url),
             ("via proxy", proxied),
@@ -177,10 +167,6 @@ def profile_steps(
             ]
             prefills.append(PrefillPoint(prompt_tokens=length, ttft_ms=statistics.median(ttfts)))
         return StepProfile(steps=steps, prefills=prefills)
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        stop_all(servers)
 
 
 class _Prompts:

@@ -21,13 +21,17 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmux.demo.run import BLOCK_SIZE, kv_transfer_config, stop_all
 from kvmux.demo.run import server_args as demo_server_args
 from kvmux.demo.servers import VllmServer
+
+if TYPE_CHECKING:  # the proxy (aiohttp) is imported only when servers start
+    from kvmux.bench.serve.proxy_process import ProxyProcess
+    from kvmux.proxy import ProxyConfig
 
 #: One name on every server, so one request body fits each.
 SERVED_MODEL = "kvmux-bench-serve"
@@ -128,33 +132,43 @@ def serving(
 ) -> Iterator[Serving]:
     """``topology``'s servers and the proxy in front of them, for the ``with`` block.
     Every server is stopped on exit, whatever happened."""
-    from kvmux.bench.serve.proxy_process import ProxyProcess
     from kvmux.proxy import ProxyConfig
 
     logs = log_dir / _slug(topology.name)
     prefill, decode = servers_for(topology, model_dir, logs, settings)
-    everything: Sequence[VllmServer] = [*prefill, *decode]
+    config = ProxyConfig(
+        colocated=topology.kind == "colocated",
+        prefill=[s.url for s in prefill],
+        decode=[s.url for s in decode],
+        port=0,
+        timeout_s=settings.request_timeout_s,
+    )
+    with fronted([*prefill, *decode], config, logs / "proxy.log", settings) as proxy:
+        decode_urls = [] if topology.kind == "colocated" else [s.url for s in decode]
+        yield Serving(proxy.url, decode_urls, proxy.cpu_seconds)
+
+
+@contextlib.contextmanager
+def fronted(
+    servers: Sequence[VllmServer], config: ProxyConfig, log_path: Path, settings: ServerSettings
+) -> Iterator[ProxyProcess]:
+    """``servers`` started and ready, with ``config``'s proxy process in front, for the
+    ``with`` block; the proxy and every server stopped on exit, whatever happened."""
+    from kvmux.bench.serve.proxy_process import ProxyProcess
+
     proxy: ProxyProcess | None = None
     try:
-        for s in everything:
+        for s in servers:
             s.start()
-        for s in everything:
+        for s in servers:
             s.wait_ready(settings.start_timeout_s)
-        config = ProxyConfig(
-            colocated=topology.kind == "colocated",
-            prefill=[s.url for s in prefill],
-            decode=[s.url for s in decode],
-            port=0,
-            timeout_s=settings.request_timeout_s,
-        )
-        proxy = ProxyProcess(config, logs / "proxy.log")
-        url = proxy.start()
-        decode_urls = [] if topology.kind == "colocated" else [s.url for s in decode]
-        yield Serving(url, decode_urls, proxy.cpu_seconds)
+        proxy = ProxyProcess(config, log_path)
+        proxy.start()
+        yield proxy
     finally:
         if proxy is not None:
             proxy.stop()
-        stop_all(everything)
+        stop_all(servers)
 
 
 _COUNTER = re.compile(r'^vllm:kvmux_stat_total\{[^}]*stat="([^"]+)"[^}]*\}\s+(\S+)$', re.MULTILINE)
