@@ -4,8 +4,10 @@ LookupBuffer) with the real ``mooncake`` package, across OS processes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +21,9 @@ pytest.importorskip("mooncake")
 from kvmux.backends.mooncake import MooncakeBackend
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients
 from kvmux.connector import Connector
-from kvmux.errors import ClosedError, TransferError
+from kvmux.errors import ClosedError, TransferError, TransferTimeout
 from kvmux.keys import chain_keys
+from kvmux.net.mooncake_engine import MooncakeEngine
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
 from kvmux.testing.cross_process import Consumer, CrossProcessTests, open_consumer
@@ -35,7 +38,7 @@ from kvmux.testing.peer import (
 )
 from kvmux.testing.suite import ConnectorSuite
 
-from support import P2P_TIMEOUT_S, free_port, run_master
+from support import P2P_TIMEOUT_S, free_port, run_master, wait_until
 
 SEED = 17
 N = 64
@@ -130,6 +133,37 @@ def test_pins_end_after_a_load() -> None:
     finally:
         reader.connector.close()
         owner.close()
+
+
+def test_a_read_abandoned_at_its_deadline_stops_competing_for_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TE's synchronous read busy-polls until its bytes come and cannot be cancelled:
+    once the caller stops waiting, its thread may run only on an idle core
+    (SCHED_IDLE), or pollers on a cut link starve the engine recomputing their
+    blocks (a vLLM decode across hosts, 2 cores: recompute 0.07 s became 0.54 s,
+    on a busier box it ran past the test's deadline)."""
+    engine = MooncakeEngine("127.0.0.1", "tcp", "", 8192)
+    stuck, release = threading.Event(), threading.Event()
+    policies: list[int] = []
+
+    class Polling:
+        def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
+            stuck.set()
+            release.wait(10.0)
+            policies.append(os.sched_getscheduler(0))
+            return 0
+
+    monkeypatch.setattr(engine, "_engine", Polling())
+    try:
+        with pytest.raises(TransferTimeout):
+            engine.read("127.0.0.1:1", [0], [0], [1], timeout_s=0.3)
+        assert stuck.is_set()
+    finally:
+        release.set()
+    wait_until(lambda: bool(policies), 5.0)
+    assert policies == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller keeps its own priority"
 
 
 def test_two_connectors_of_a_process_may_register_the_same_kv() -> None:

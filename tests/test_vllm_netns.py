@@ -63,6 +63,7 @@ def _served(backend: str) -> dict[str, Any]:
 BACKENDS = {
     "tcp": _served("tcp"),
     "nixl": _served("nixl"),
+    "mooncake": _served("mooncake"),
     "shm-then-tcp": {
         "backend": "multi",
         "policy": "fallback",
@@ -81,6 +82,9 @@ child is healthy) once the cooldown has passed."""
     params=[
         "tcp",
         pytest.param("nixl", marks=pytest.mark.skipif(not installed("nixl"), reason="no nixl")),
+        pytest.param(
+            "mooncake", marks=pytest.mark.skipif(not installed("mooncake"), reason="no mooncake")
+        ),
         "shm-then-tcp",
     ],
 )

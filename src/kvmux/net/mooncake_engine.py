@@ -3,7 +3,7 @@
 The Transfer Engine (TE) moves bytes between memory registered on both sides;
 in ``P2PHANDSHAKE`` mode there is no metadata server: a peer is named
 ``"host:rpc_port"`` and the two engines exchange segment descriptors on first
-contact. Three traps shape this wrapper:
+contact. Four traps shape this wrapper:
 
 * TE's TCP transport queues at most a few hundred transfers per peer by
   default; a batch of thousands of small blocks fails with "queue-full" and
@@ -18,7 +18,17 @@ contact. Three traps shape this wrapper:
   abandoned call may still complete later and write into the destination
   blocks; those keys were reported failed, so their blocks hold no promised
   bytes, but an engine that reuses them at once could see late writes from a
-  peer that wakes up (only a frozen one: a dead peer writes nothing).
+  peer that wakes up (a frozen one, or a cut link that comes back: measured,
+  the abandoned reads then completed with rc 0).
+* While a read waits for bytes, TE's synchronous call polls the batch's status
+  in a loop without sleeping: it keeps a whole core busy, and it goes on after
+  the deadline (there is no call to cancel it) until the bytes come or TE's own
+  timeout passes. On a small machine the abandoned pollers starve the engine
+  that is recomputing the failed blocks (measured on 2 cores, a link cut
+  under vLLM P/D: two abandoned calls used 9.9 CPU-seconds in 8.7 s, and a
+  recompute of 0.07 s took 0.54 s, on a loaded box about 9 s). So an
+  abandoned call's thread is moved to ``SCHED_IDLE`` at the deadline: it runs
+  only on a core nothing else wants.
 * Destroying a Transfer Engine stalls every Python thread for about a second
   (its destructor holds the GIL). So one engine per (host, protocol, devices)
   serves every connector of a process, created on first use and kept until
@@ -34,6 +44,7 @@ authenticated, validated control channel.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import os
@@ -102,6 +113,14 @@ def shared_engine(host: str, protocol: str, device_name: str, max_queued: int) -
         return found
 
 
+def yield_cpu(thread_id: int) -> None:
+    """Let the thread ``thread_id`` (a native id) run only when a core is idle: an
+    abandoned TE call that busy-polls must not take the CPU from the engine. A
+    thread that has ended meanwhile is left alone (ESRCH)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+
+
 class MooncakeEngine:
     """One connector's handle on the shared engine: its registrations and bounded reads."""
 
@@ -153,8 +172,10 @@ class MooncakeEngine:
             raise TransferTimeout(f"no time left to read from {peer}")
         done: Future[int] = Future()
         abandoned = threading.Event()
+        caller: list[int] = []
 
         def call() -> None:
+            caller.append(threading.get_native_id())
             try:
                 rc, step = 0, self.max_batch
                 for i in range(0, len(local), step):
@@ -175,6 +196,8 @@ class MooncakeEngine:
             rc = done.result(timeout=timeout_s)
         except TimeoutError:
             abandoned.set()
+            if caller and not done.done():
+                yield_cpu(caller[0])
             raise TransferTimeout(
                 f"Mooncake read of {len(local)} ranges from {peer} not done in {timeout_s:.1f} s"
             ) from None
