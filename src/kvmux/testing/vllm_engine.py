@@ -227,6 +227,7 @@ def _serve(spec: EngineSpec) -> None:  # pragma: no cover - runs in the child pr
         cmd = json.loads(line)
         op = cmd.pop("op")
         if op == "quit":
+            _shut_down(llm)
             _say({"bye": True})
             return
         try:
@@ -427,6 +428,15 @@ def _added(ranks: Sequence[dict[str, float]]) -> dict[str, float]:
         for name, value in stats.items():
             total[name] = total.get(name, 0) + value
     return total
+
+
+def _shut_down(llm: Any) -> None:  # pragma: no cover - runs in the child process
+    """Shut the engine down as a server does on SIGTERM: its workers close their KV
+    connectors, and kvmux's close lets saves still in flight end (within the
+    backend's ``timeout_s``). The child then leaves with ``os._exit``, which runs
+    no finalizer: without this, a quit right after a generate dropped the saves of
+    its last steps, and a restarted engine found fewer blocks."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _worker_address() -> dict[str, Any] | None:
