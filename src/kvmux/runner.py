@@ -190,15 +190,24 @@ def _reporting(
     return reported
 
 
+MIN_START_S = 0.01
+"""A queued transfer with less time left than this fails as having waited too
+long instead of starting: no peer round trip ends in less, and starting it
+only turns "it waited in the queue" into a misleading "the peer timed out".
+(Transfers queued behind one that ended at its deadline start a fraction of a
+millisecond before their own, which are as many microseconds later as they
+were submitted.)"""
+
+
 def _unless_expired(
     count: int, work: Callable[[], Sequence[Outcome]], deadline: float, timeout_s: float
 ) -> Callable[[], Sequence[Outcome]]:
-    """``work``, unless it starts at or past ``deadline``: then every key fails at
-    once. The deadline belongs to the request, not to the thread that gets
-    round to it."""
+    """``work``, unless it starts with less than :data:`MIN_START_S` left before
+    ``deadline``: then every key fails at once. The deadline belongs to the
+    request, not to the thread that gets round to it."""
 
     def guarded() -> Sequence[Outcome]:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline - MIN_START_S:
             reason = f"deadline of {timeout_s} s passed while queued behind other transfers"
             return [failed(reason)] * count
         return work()
