@@ -103,3 +103,20 @@ def test_cancel_drops_a_queued_transfer_but_not_a_running_one() -> None:
     finally:
         release.set()
         lanes.shutdown()
+
+
+def test_a_finished_handle_answers_at_once_and_cannot_be_cancelled() -> None:
+    """A transfer run in the caller's thread is born finished, with no future."""
+    ks = keys(2)
+    handle = Handle.completed(ks, [OK, MISSING], nbytes=4)
+    assert handle.poll() is True and handle.wait(0) is True
+    assert handle.cancel() is False
+    seen = []
+    handle.add_done_callback(seen.append)
+    assert seen == [handle.result()]
+
+    def broken(_: object) -> None:
+        raise RuntimeError("callback bug")
+
+    handle.add_done_callback(broken)  # logged, as a future does, not raised
+    assert handle.result().by_status(Status.MISSING) == [ks[1]]

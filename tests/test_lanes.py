@@ -139,3 +139,28 @@ def test_a_local_load_through_a_multi_waits_for_no_hung_peer(
                 w.result(timeout=5)
     finally:
         conn.close()
+
+
+def test_a_waiting_caller_runs_the_head_job_itself_within_the_width(lanes: Lanes) -> None:
+    """``run_here``: the job at the head of its lane runs in the caller's thread; a job
+    whose lane is full, or one no longer queued, is left to the lane's threads."""
+    release = threading.Event()
+    busy = lanes.submit("peer", lambda: release.wait(5), width=1)
+    wait_until(busy.running, 5)
+    queued = lanes.submit("peer", threading.get_ident, width=1)
+    try:
+        assert lanes.run_here("peer", queued) is False  # the lane's one place is taken
+        assert not queued.done()
+    finally:
+        release.set()
+    assert busy.result(timeout=2) and queued.result(timeout=2) != threading.get_ident()
+    assert lanes.run_here("peer", queued) is False  # done: not queued any more
+
+    here = threading.get_ident()
+    places = []
+    for _ in range(20):  # a lane thread may win the race to a job; the caller mostly does
+        job = lanes.submit("other", threading.get_ident, width=2)
+        ran_here = lanes.run_here("other", job)
+        assert (job.result(timeout=2) == here) is ran_here
+        places.append(ran_here)
+    assert any(places)

@@ -191,6 +191,31 @@ def test_keep_takes_back_a_key_released_while_pinned() -> None:
     assert a in table
 
 
+def _twin_tables() -> tuple[PinnedSlots, PinnedSlots, list[BlockKey]]:
+    """Two tables in the same state: stored keys, a pinned one released, free slots."""
+    universe = keys(6, "twin")
+    tables = (PinnedSlots(4), PinnedSlots(4))
+    for table in tables:
+        save(table, universe[:4])
+        table.lease(table.find_many(universe[1:2]).tolist(), expires=1e18)
+        table.release(universe[1])  # released while pinned: gone for lookups, slot kept
+    return *tables, universe
+
+
+def test_short_batch_answers_match_the_numpy_ones() -> None:
+    """``find_few`` and ``new_keys`` (a one-block batch's plain-Python path) answer as
+    ``find_many`` and ``keep_many`` do, and leave the table as they leave it."""
+    few, many, universe = _twin_tables()
+    batch = [universe[5], universe[1], universe[0], universe[3]]
+    assert few.find_few(batch) == many.find_many(batch).tolist()
+    assert state(few) == state(many)
+    assert few.new_keys(batch) == np.flatnonzero(many.keep_many(batch) < 0).tolist() == [0]
+    assert universe[1] in few and universe[1] in many  # taken back by both
+    assert state(few) == state(many)
+    long_batch = keys(20, "long")
+    assert few.new_keys(long_batch) == list(range(20))
+
+
 def test_pins_count_duplicates_and_unpin_never_goes_negative() -> None:
     table = PinnedSlots(64)
     save(table, keys(64))

@@ -24,7 +24,9 @@ Threads: by default a transfer runs on one of the backend's :attr:`lanes`,
 a FIFO queue per peer (:meth:`lane`; ``None``, the shared one, for local
 work), so a hung peer holds up only the loads from it. A backend whose
 local transfers are memory copies (``inline = True``) has those run in the
-caller's thread instead: cheaper than any thread hop. Background work a
+caller's thread instead: cheaper than any thread hop. A caller that waits
+on a handle with no timeout runs a queued transfer itself, within its lane's
+width (:meth:`kvmux.lanes.Lanes.run_here`). Background work a
 backend needs for itself (a served pool telling a producer it is done with
 a lease) goes on the same :attr:`lanes`, so it ends when the backend does.
 

@@ -118,6 +118,10 @@ class BlockCopier:
         Big batches are split across threads: these calls release the GIL but
         run single-threaded, while memcpy itself uses every core."""
         assert self._host is not None
+        if len(block_ids) == 1:  # one block: its pieces, with no run finding
+            row = 0 if rows is None else int(rows[0])
+            self._memmove(block_ids, rows_tensor, row, to_rows=to_rows)
+            return
         tasks: list[Callable[[], None]] = []
         for row, start, n in row_runs(rows, len(block_ids)):
             blocks = block_ids[start : start + n]

@@ -9,6 +9,7 @@ that is not ready yet within the caller's own timeout raises.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 from kvmux.errors import TransferTimeout
 from kvmux.keys import BlockKey
+
+log = logging.getLogger(__name__)
 
 
 class Status(enum.StrEnum):
@@ -66,10 +69,18 @@ class TransferResult:
 
 @dataclass
 class Handle:
-    """A save or load in flight. ``poll`` never blocks; ``wait`` blocks at most ``timeout``."""
+    """A save or load in flight. ``poll`` never blocks; ``wait`` blocks at most ``timeout``.
+
+    A transfer that ran in the caller's thread is born finished (:meth:`finished`)
+    and holds its result with no future: a one-block copy costs a few tens of
+    microseconds, and a future's condition variable and callbacks cost several."""
 
     keys: tuple[BlockKey, ...]
-    _future: Future[TransferResult] = field(repr=False)
+    _future: Future[TransferResult] | None = field(repr=False)
+    _done: TransferResult | None = field(default=None, repr=False)
+    _run_here: Callable[[], object] | None = field(default=None, repr=False)
+    """Runs the transfer in the calling thread if it has not started yet (see
+    :meth:`kvmux.lanes.Lanes.run_here`): what a wait with no timeout does first."""
 
     @classmethod
     def completed(
@@ -79,9 +90,12 @@ class Handle:
         nbytes: int = 0,
         seconds: float = 0.0,
     ) -> Handle:
-        fut: Future[TransferResult] = Future()
-        fut.set_result(TransferResult(tuple(keys), tuple(outcomes), nbytes, seconds))
-        return cls(tuple(keys), fut)
+        return cls.finished(TransferResult(tuple(keys), tuple(outcomes), nbytes, seconds))
+
+    @classmethod
+    def finished(cls, result: TransferResult) -> Handle:
+        """A handle whose transfer has ended with ``result``."""
+        return cls(result.keys, None, result)
 
     @classmethod
     def from_call(
@@ -90,31 +104,26 @@ class Handle:
         submit: Callable[[Callable[[], TransferResult]], Future[TransferResult]],
         work: Callable[[], Sequence[Outcome]],
         block_nbytes: int,
+        run_here: Callable[[Future[TransferResult]], object] | None = None,
     ) -> Handle:
-        """Run ``work`` through ``submit`` (an executor's); any exception it raises
-        becomes a ``failed`` outcome on every key instead of escaping. The bytes
-        moved are the ``ok`` keys' blocks of ``block_nbytes``."""
+        """Run ``work`` through ``submit`` (an executor's), as :func:`run_transfer`.
+        ``run_here(future)``, if given, runs the submitted job in the calling thread
+        when it has not started yet; a caller that waits with no timeout calls it."""
         keys = tuple(keys)
-
-        def run() -> TransferResult:
-            start = time.perf_counter()
-            try:
-                outcomes = work()
-            except Exception as exc:
-                outcomes = [failed(f"{type(exc).__name__}: {exc}")] * len(keys)
-            if len(outcomes) != len(keys):
-                outcomes = [failed("backend returned a wrong number of outcomes")] * len(keys)
-            nbytes = outcomes.count(OK) * block_nbytes
-            return TransferResult(keys, tuple(outcomes), nbytes, time.perf_counter() - start)
-
-        return cls(keys, submit(run))
+        future = submit(lambda: run_transfer(keys, work, block_nbytes))
+        claim = None if run_here is None else lambda: run_here(future)
+        return cls(keys, future, _run_here=claim)
 
     def poll(self) -> bool:
         """True once the transfer has finished (successfully or not)."""
-        return self._future.done()
+        return self._future is None or self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished or ``timeout`` seconds pass; True if finished."""
+        if self._future is None:
+            return True
+        if timeout is None and self._run_here is not None and not self._future.done():
+            self._run_here()
         try:
             self._future.result(timeout)
         except FutureTimeout:
@@ -125,6 +134,11 @@ class Handle:
 
     def result(self, timeout: float | None = None) -> TransferResult:
         """The per-key result; raises TransferTimeout if not finished within ``timeout``."""
+        if self._future is None:
+            assert self._done is not None
+            return self._done
+        if timeout is None and self._run_here is not None and not self._future.done():
+            self._run_here()
         try:
             return self._future.result(timeout)
         except FutureTimeout:
@@ -140,7 +154,31 @@ class Handle:
         never will run; its keys then end failed. One that is already moving bytes
         goes on to its own end, deadline included (until then its blocks are not the
         caller's to reuse), and this returns False."""
-        return self._future.cancel()
+        return self._future is not None and self._future.cancel()
 
     def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
+        """Call ``fn`` with the result once finished (now, if it has)."""
+        if self._future is None:
+            try:
+                fn(self.result())
+            except Exception:  # as a future does: a callback's error is logged, not raised
+                log.exception("kvmux: a handle's done callback raised")
+            return
         self._future.add_done_callback(lambda _: fn(self.result()))
+
+
+def run_transfer(
+    keys: tuple[BlockKey, ...], work: Callable[[], Sequence[Outcome]], block_nbytes: int
+) -> TransferResult:
+    """Run ``work``, timed; any exception it raises becomes a ``failed`` outcome on
+    every key instead of escaping. The bytes moved are the ``ok`` keys' blocks of
+    ``block_nbytes``."""
+    start = time.perf_counter()
+    try:
+        outcomes = work()
+    except Exception as exc:
+        outcomes = [failed(f"{type(exc).__name__}: {exc}")] * len(keys)
+    if len(outcomes) != len(keys):
+        outcomes = [failed("backend returned a wrong number of outcomes")] * len(keys)
+    nbytes = outcomes.count(OK) * block_nbytes
+    return TransferResult(keys, tuple(outcomes), nbytes, time.perf_counter() - start)

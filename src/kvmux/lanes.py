@@ -16,6 +16,11 @@ and a peer that is merely slow gets its loads in order instead of a stampede.
 Why not a thread pool per peer: a pool's threads live for ever, and peers come
 and go (a restarted prefill has a new port); a lane's threads exist while it
 has work and a short ``linger_s`` after, then the lane is gone.
+
+A caller about to block on a job may run it itself (:meth:`Lanes.run_here`)
+if it is still the lane's next job and the lane has room: the job counts
+against the lane's width while it runs, so the bound on a peer's connections
+holds, and its deadline is checked when it starts, as on a lane thread.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ _Job = tuple[Future[Any], Callable[[], Any]]
 @dataclass
 class _Lane:
     ready: threading.Condition
+    width: int
     jobs: deque[_Job] = field(default_factory=deque)
     threads: int = 0
     busy: int = 0
+    borrowed: int = 0
+    """Jobs of this lane running in the threads that waited for them (``run_here``)."""
 
 
 class Lanes:
@@ -65,7 +73,8 @@ class Lanes:
                 raise ClosedError(f"{self._name}: no new work after shutdown")
             entry = self._lanes.get(lane)
             if entry is None:
-                entry = self._lanes[lane] = _Lane(threading.Condition(self._lock))
+                entry = self._lanes[lane] = _Lane(threading.Condition(self._lock), width)
+            entry.width = width
             entry.jobs.append((future, fn))
             waiting = entry.threads - entry.busy
             if waiting < len(entry.jobs) and entry.threads < width:
@@ -78,6 +87,33 @@ class Lanes:
             else:
                 entry.ready.notify()
         return future
+
+    def run_here(self, lane: Hashable, future: Future[Any]) -> bool:
+        """Run ``future``'s job in the calling thread, if it is the next job queued on
+        ``lane`` and the lane runs fewer than its width of jobs; True if it ran here.
+
+        For a caller about to block on ``future`` anyway: its thread does the work
+        instead of waiting for a lane thread to wake, run it and wake the caller
+        (two thread hops, most of a one-block remote load's fixed cost). The
+        lane's order and width hold: only the job at the head is taken, and it
+        counts as one of the lane's running jobs."""
+        with self._lock:
+            entry = self._lanes.get(lane)
+            if (
+                entry is None
+                or not entry.jobs
+                or entry.jobs[0][0] is not future
+                or entry.busy + entry.borrowed >= entry.width
+            ):
+                return False
+            _, fn = entry.jobs.popleft()
+            entry.borrowed += 1
+        try:
+            _run(future, fn)
+        finally:
+            with self._lock:
+                entry.borrowed -= 1
+        return True
 
     @property
     def threads(self) -> int:
@@ -107,15 +143,8 @@ class Lanes:
                 job = self._next(lane, entry)
                 if job is None:
                     return
-                future, fn = job
                 try:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            result = fn()
-                        except BaseException as exc:
-                            future.set_exception(exc)
-                        else:
-                            future.set_result(result)
+                    _run(*job)
                 finally:
                     with self._lock:
                         entry.busy -= 1
@@ -140,3 +169,14 @@ class Lanes:
                 return None
             entry.busy += 1
             return entry.jobs.popleft()
+
+
+def _run(future: Future[Any], fn: Callable[[], Any]) -> None:
+    """Run ``fn`` into ``future``, unless the future was cancelled first."""
+    if future.set_running_or_notify_cancel():
+        try:
+            result = fn()
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from concurrent.futures import Future
 
 import torch
 
 from kvmux.backend import Address, Backend
 from kvmux.blocks import BlockCopier
 from kvmux.errors import ClosedError, InvalidRequestError
-from kvmux.handle import Handle, Outcome, TransferResult, failed
+from kvmux.handle import Handle, Outcome, failed, run_transfer
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 
@@ -149,14 +148,18 @@ class Runner:
         block_nbytes = backend.copier.block_nbytes
         counters = backend.counters
         if lane is None and backend.inline:
-            handle = Handle.from_call(keys, _now, work, block_nbytes)
-            counters.record(op, handle.result())  # done already: no callback to hang
-            return handle
+            result = run_transfer(tuple(keys), work, block_nbytes)
+            counters.record(op, result)  # done already: no callback to hang
+            return Handle.finished(result)
         width = backend.workers if lane is None else backend.lane_width
         guarded = _unless_expired(len(keys), work, deadline, backend.config.timeout_s)
         lanes = backend.lanes
         handle = Handle.from_call(
-            keys, lambda fn: lanes.submit(lane, fn, width), guarded, block_nbytes
+            keys,
+            lambda fn: lanes.submit(lane, fn, width),
+            guarded,
+            block_nbytes,
+            run_here=lambda future: lanes.run_here(lane, future),
         )
         handle.add_done_callback(lambda r: counters.record(op, r))
         return handle
@@ -166,13 +169,6 @@ def check_open(backend: Backend) -> None:
     """ClosedError if ``backend`` is closed: no call reaches it after."""
     if backend.closed:
         raise ClosedError(f"{type(backend).__name__} is closed")
-
-
-def _now(fn: Callable[[], TransferResult]) -> Future[TransferResult]:
-    """Run ``fn`` in the caller's thread: a finished future."""
-    future: Future[TransferResult] = Future()
-    future.set_result(fn())
-    return future
 
 
 def _reporting(

@@ -28,6 +28,7 @@ from operator import and_, ge, not_
 import numpy as np
 import numpy.typing as npt
 
+from kvmux.addressing import SMALL_BATCH
 from kvmux.keys import BlockKey
 
 SlotArray = npt.NDArray[np.int64]
@@ -47,8 +48,11 @@ def _leading(flags: Iterable[bool], n: int) -> int:
 def _add_counts(counts: npt.NDArray[np.int32], idx: SlotArray, delta: int) -> None:
     """``counts[idx] += delta``, a slot listed twice counting twice. ``np.add.at``
     costs ~70 ns an element; a ``bincount`` over the whole pool is cheaper unless
-    ``idx`` is far shorter than the pool."""
-    if len(idx) * 16 < len(counts):
+    ``idx`` is far shorter than the pool; a few slots cost less than either's set-up."""
+    if len(idx) < SMALL_BATCH:  # a one-block lease: element by element is cheapest
+        for slot in idx.tolist():
+            counts[slot] += delta
+    elif len(idx) * 16 < len(counts):
         np.add.at(counts, idx, delta)
     else:
         counts += (np.bincount(idx, minlength=len(counts)) * delta).astype(counts.dtype)
@@ -203,6 +207,28 @@ class PinnedSlots:
         """True if ``key`` is stored already (a save of it then has nothing to do);
         a key released while pinned is taken back."""
         return bool(self.keep_many([key])[0] >= 0)
+
+    def find_few(self, keys: Sequence[BlockKey]) -> list[int]:
+        """``find_many`` of a short batch (a one-block load), as a list: a dict call
+        per key costs less than numpy's set-up for a few keys."""
+        get, released = self._lru.get, self._released
+        return [-1 if (slot := get(key)) is None or slot in released else slot for key in keys]
+
+    def new_keys(self, keys: Sequence[BlockKey]) -> list[int]:
+        """``keep_many``, answered as the positions of the keys not stored yet (the ones
+        a save must place); a short batch walked in Python."""
+        if len(keys) >= SMALL_BATCH:
+            new: list[int] = np.flatnonzero(self.keep_many(keys) < 0).tolist()
+            return new
+        get, released = self._lru.get, self._released
+        new = []
+        for i, key in enumerate(keys):
+            slot = get(key)
+            if slot is None:
+                new.append(i)
+            elif released and slot in released:
+                self._released_keys.discard(released.pop(slot))
+        return new
 
     def keep_many(self, keys: Sequence[BlockKey]) -> SlotArray:
         """``keep`` of every key: the slots of those stored already (now most

@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvmux.addressing import SMALL_BATCH
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
@@ -53,7 +54,13 @@ class PinnedTransport(PullTransport):
         store = self.store
         with store.lock:
             serving = store.pool is not None
-            rows = store.slots.find_many(keys) if serving else np.full(len(keys), -1)
+            rows: Rows
+            if not serving:
+                rows = np.full(len(keys), -1, dtype=np.int64)
+            elif len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
+                rows = np.array(store.slots.find_few(keys), dtype=np.int64)
+            else:
+                rows = store.slots.find_many(keys)
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots

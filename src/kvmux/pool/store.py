@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvmux.addressing import SMALL_BATCH
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError
 from kvmux.handle import MISSING, OK, Outcome, failed
@@ -77,19 +78,17 @@ class PoolStore:
             self._publications.reap(self.slots, now)
             # Keys stored already need no copy (same key, same content). They are
             # touched first, so no new key of the batch evicts them.
-            new = np.flatnonzero(self.slots.keep_many(keys) < 0)
+            new = self.slots.new_keys(keys)
             if 0 < len(new) < len(keys):
-                picked = new.tolist()
-                new_keys = list(map(keys.__getitem__, picked))
-                blocks = list(map(block_ids.__getitem__, picked))
+                new_keys = list(map(keys.__getitem__, new))
+                blocks = list(map(block_ids.__getitem__, new))
                 saved = self._place_and_copy(copier, pool, new_keys, blocks)
                 self.slots.touch(keys)  # LRU order = batch order again
             else:
-                saved = self._place_and_copy(copier, pool, keys, block_ids) if len(new) else 0
-        unplaced = new[saved:].tolist()
-        if unplaced:
+                saved = self._place_and_copy(copier, pool, keys, block_ids) if new else 0
+        if saved < len(new):
             error = failed("every pool slot is pinned (peers reading, or published blocks)")
-            for i in unplaced:
+            for i in new[saved:]:
                 outcomes[i] = error
         return outcomes
 
@@ -116,7 +115,14 @@ class PoolStore:
         pool, copier = self.pool, self._copier
         assert pool is not None and copier is not None
         with self.lock:
-            rows = self.slots.find_many(keys)
+            if len(keys) < SMALL_BATCH:  # a few keys: no numpy for the usual all-hit load
+                few = self.slots.find_few(keys)
+                if -1 not in few:
+                    copier.copy_in(block_ids, pool, few)
+                    return [OK] * len(keys)
+                rows = np.array(few, dtype=np.int64)
+            else:
+                rows = self.slots.find_many(keys)
             hit = rows >= 0
             if hit.all():  # the usual load: no picking
                 copier.copy_in(block_ids, pool, rows)
