@@ -27,7 +27,7 @@ def test_a_call_that_blocks_past_the_deadline_is_a_timeout_at_the_deadline() -> 
     release = threading.Event()
     try:
         started = time.monotonic()
-        with pytest.raises(TransferTimeout, match="reading a block took over 0.3 s"):
+        with pytest.raises(TransferTimeout, match=r"reading a block took over 0\.3 s"):
             bounded_call(lambda: release.wait(30), 0.3, "reading a block")
         assert 0.3 <= time.monotonic() - started < 1.5
     finally:

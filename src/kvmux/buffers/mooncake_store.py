@@ -260,4 +260,3 @@ def _leave_clients() -> None:
             keep_past_exit(client)
         else:
             client.close()
-
