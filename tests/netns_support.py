@@ -10,10 +10,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from kvmux.testing import netns
 from kvmux.testing.vllm_engine import EngineProcess
 from vllm_e2e_support import LOADED_BLOCKS, MAX_TOKENS, PROMPTS, prefill, spec, tokens
 
+NEEDS_NETNS = [
+    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
+    pytest.mark.timeout(900),
+]
+"""The marks of a module of these tests: root and iproute2 (an honest skip), and
+time for engines to start on a loaded machine."""
 TIMEOUT_S = 8.0
 SLACK_S = 6.0
 """On top of timeout_s and computing the prompts: a loaded 2-core machine."""
@@ -98,7 +106,7 @@ def pd_across(
         consumer.stop()
 
 
-def decode_with_a_link_cut(
+def _decode_with_a_link_cut(
     hosts: Hosts, cut: str, params: list[dict[str, Any]]
 ) -> tuple[list[list[int]], float]:
     """The decode of ``params`` over a slowed link, host ``cut``'s wire cut one
@@ -117,6 +125,22 @@ def decode_with_a_link_cut(
         hosts.net[cut].link_up()
         hosts.shape(None)
     return tokens(decoded), took
+
+
+def a_cut_while_loading_recomputes(hosts: Hosts, cut: str, reference: list[list[int]]) -> float:
+    """Prefill, then decode over a slowed link with host ``cut``'s wire cut one
+    second into the loads: some loads fail, the tokens are a single instance's,
+    and the decode ends within its deadline plus a recompute. How long it took."""
+    compute_s = hosts.compute_seconds(reference)
+    params = prefill(hosts.producer)
+    before = hosts.stats()
+    decoded, took = _decode_with_a_link_cut(hosts, cut, params)
+    after = hosts.stats()
+    print(f"\nhost {cut}'s link cut while loading: decode {took:.2f} s (timeout_s={TIMEOUT_S})")
+    assert decoded == reference
+    assert after.get("load_blocks_failed", 0) > before.get("load_blocks_failed", 0)
+    assert took < TIMEOUT_S + compute_s + SLACK_S
+    return took
 
 
 def wait_reachable(hosts: Hosts, target: str, port: int, within_s: float) -> float:

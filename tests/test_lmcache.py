@@ -25,14 +25,7 @@ from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
 from kvmux.testing.cross_process import statuses
 from kvmux.testing.harness import ConnectorFactory
-from kvmux.testing.peer import (
-    block_bytes,
-    empty_caches,
-    make_caches,
-    make_keys,
-    make_layout,
-    spawn_peer,
-)
+from kvmux.testing.peer import block_bytes, empty_caches, make_caches, make_layout, spawn_peer
 from kvmux.testing.suite import ConnectorSuite
 
 from support import run_lmcache_server, run_master
@@ -301,10 +294,11 @@ def test_a_retrieve_that_blocks_fails_every_block_at_the_deadline_not_later(
     config = {"backend": "lmcache", **SMALL, "timeout_s": 1.0}
     conn = create_connector(config)
     caches = make_caches(SEED, 4)
-    conn.register(make_layout(caches), caches)
+    layout = make_layout(caches)
+    conn.register(layout, caches)
     released = threading.Event()
     try:
-        keys = make_keys(4)
+        keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "hang")
         assert conn.save(keys, list(range(4))).result(10).ok
         storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
         blocking = storage.batched_get

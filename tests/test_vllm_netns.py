@@ -23,20 +23,17 @@ pytest.importorskip("vllm")
 from kvmux.testing import netns
 from netns_support import (
     BREAKER_COOLDOWN_S,
-    SLACK_S,
+    NEEDS_NETNS,
     TIMEOUT_S,
     Hosts,
-    decode_with_a_link_cut,
+    a_cut_while_loading_recomputes,
     loads_every_block_again,
     netns_backends,
     pd_across,
 )
 from vllm_e2e_support import LOADED_BLOCKS, MAX_TOKENS, PROMPTS, installed, prefill, tokens
 
-pytestmark = [
-    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
-    pytest.mark.timeout(900),
-]
+pytestmark = NEEDS_NETNS
 
 BACKENDS = netns_backends(TIMEOUT_S, BREAKER_COOLDOWN_S)
 
@@ -82,15 +79,7 @@ def test_a_link_cut_while_decode_loads_recomputes_by_the_deadline(
     """The link is slowed so the loads take seconds, then cut one second into the
     decode: the loads fail by their deadline, vLLM recomputes, the tokens are a
     single instance's; with the link back, the next P/D loads every block."""
-    compute_s = hosts.compute_seconds(vllm_reference)
-    params = prefill(hosts.producer)
-    before = hosts.stats()
-    decoded, took = decode_with_a_link_cut(hosts, "p", params)
-    after = hosts.stats()
-    print(f"\nlink cut while loading: decode {took:.2f} s (timeout_s={TIMEOUT_S})")
-    assert decoded == vllm_reference
-    assert after.get("load_blocks_failed", 0) > before.get("load_blocks_failed", 0)
-    assert took < TIMEOUT_S + compute_s + SLACK_S
+    a_cut_while_loading_recomputes(hosts, "p", vllm_reference)
 
     time.sleep(BREAKER_COOLDOWN_S + 0.5)  # a multi's breaker lets the healed child through
     loads_every_block_again(hosts, vllm_reference, within_s=0)

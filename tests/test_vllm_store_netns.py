@@ -31,22 +31,19 @@ pytest.importorskip("vllm")
 from kvmux.testing import netns
 from netns_support import (
     HEAL_S,
-    SLACK_S,
+    NEEDS_NETNS,
     TIMEOUT_S,
     Hosts,
-    decode_with_a_link_cut,
+    a_cut_while_loading_recomputes,
     loads_every_block_again,
     pd_across,
     wait_reachable,
 )
-from vllm_e2e_support import installed, prefill
+from vllm_e2e_support import installed
 
 from support import MOONCAKE_MASTER
 
-pytestmark = [
-    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
-    pytest.mark.timeout(900),
-]
+pytestmark = NEEDS_NETNS
 
 PORT = 50051
 """The store server's port in its own host (a fresh namespace: always free)."""
@@ -116,15 +113,7 @@ def test_the_stores_link_cut_while_decode_loads_recomputes_by_the_deadline(
     tokens are a single instance's; once the store answers new connections again,
     P/D loads every block (within HEAL_S: old connections resume at their next
     TCP retransmission)."""
-    compute_s = hosts.compute_seconds(vllm_reference)
-    params = prefill(hosts.producer)
-    before = hosts.stats()
-    decoded, took = decode_with_a_link_cut(hosts, "store", params)
-    after = hosts.stats()
-    print(f"\nstore link cut while loading: decode {took:.2f} s (timeout_s={TIMEOUT_S})")
-    assert decoded == vllm_reference
-    assert after.get("load_blocks_failed", 0) > before.get("load_blocks_failed", 0)
-    assert took < TIMEOUT_S + compute_s + SLACK_S
+    a_cut_while_loading_recomputes(hosts, "store", vllm_reference)
 
     reached = wait_reachable(hosts, "store", PORT, HEAL_S)
     rounds = loads_every_block_again(hosts, vllm_reference, within_s=HEAL_S)
