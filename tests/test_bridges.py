@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvmux.bridges import BufferBackend, PipeLookupBuffer
+from kvmux.buffer import LookupBuffer
+from kvmux.config import BackendConfig
 from kvmux.connector import Connector
+from kvmux.keys import BlockKey
 from kvmux.pipes.tcp import TcpPipe, TcpPipeConfig
 from kvmux.registry import create_connector, create_pipe
 from kvmux.testing.peer import (
@@ -130,3 +135,41 @@ def test_a_pipe_config_model_names_the_pipe_wherever_it_is_passed() -> None:
     finally:
         conn.close()
         pipe.close()
+
+
+class _HangingBuffer(LookupBuffer):
+    """A buffer whose client blocks on every read, as a store's over a cut link."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self.released = threading.Event()
+
+    def insert(self, key: BlockKey, tensor: torch.Tensor) -> None:
+        raise AssertionError("not saved to in this test")
+
+    def drop_select(self, key: BlockKey, timeout: float) -> torch.Tensor | None:
+        self.released.wait(60)
+        return None
+
+    def contains(self, key: BlockKey) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.released.set()
+
+
+def test_a_buffer_whose_read_blocks_fails_the_load_at_its_deadline_not_later() -> None:
+    buffer = _HangingBuffer(BackendConfig(backend="hanging", timeout_s=1.0))
+    conn = Connector(BufferBackend(buffer, buffer.config))
+    caches = empty_caches(4)
+    conn.register(make_layout(caches), caches)
+    try:
+        started = time.monotonic()
+        result = conn.load(make_keys(4), [0, 1, 2, 3]).result(10)
+        took = time.monotonic() - started
+        assert [o.status.value for o in result.outcomes] == ["failed"] * 4
+        assert 1.0 <= took < 2.5, took
+        assert not block_bytes(caches, range(4)).any()
+    finally:
+        buffer.released.set()
+        conn.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +284,35 @@ def test_listing_shows_lmcache_available_here_and_the_hint_without_it(
     monkeypatch.setattr(entries, "_satisfied", lambda req: req.name != "lmcache" and real(req))
     reason = entry.unavailable_reason() or ""
     assert "lmcache==0.5.6" in reason and "pip install 'kvmux[lmcache]'" in reason
+
+
+def test_a_retrieve_that_blocks_fails_every_block_at_the_deadline_not_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache's reads block (a remote over a cut link): the load ends at its
+    deadline with every block failed, since the abandoned read may still write them."""
+    config = {"backend": "lmcache", **SMALL, "timeout_s": 1.0}
+    conn = create_connector(config)
+    caches = make_caches(SEED, 4)
+    layout = make_layout(caches)
+    conn.register(layout, caches)
+    released = threading.Event()
+    try:
+        keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "hang")
+        assert conn.save(keys, list(range(4))).result(10).ok
+        storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
+        blocking = storage.batched_get
+
+        def hanging_get(*args: Any, **kwargs: Any) -> Any:
+            released.wait(60)
+            return blocking(*args, **kwargs)
+
+        monkeypatch.setattr(storage, "batched_get", hanging_get)
+        started = time.monotonic()
+        result = conn.load(keys, list(range(4))).result(10)
+        took = time.monotonic() - started
+        assert set(statuses(result)) == {"failed"}, statuses(result)
+        assert 1.0 <= took < 2.5, took
+    finally:
+        released.set()
+        conn.close()

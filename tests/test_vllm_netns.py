@@ -12,7 +12,6 @@ iproute2: skipped, saying why, otherwise.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,59 +21,21 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvmux.testing import netns
-from kvmux.testing.vllm_engine import EngineProcess
-from vllm_e2e_support import LOADED_BLOCKS, MAX_TOKENS, PROMPTS, installed, prefill, spec, tokens
+from netns_support import (
+    BREAKER_COOLDOWN_S,
+    NEEDS_NETNS,
+    TIMEOUT_S,
+    Hosts,
+    a_cut_while_loading_recomputes,
+    loads_every_block_again,
+    netns_backends,
+    pd_across,
+)
+from vllm_e2e_support import LOADED_BLOCKS, MAX_TOKENS, PROMPTS, installed, prefill, tokens
 
-pytestmark = [
-    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
-    pytest.mark.timeout(900),
-]
+pytestmark = NEEDS_NETNS
 
-TIMEOUT_S = 8.0
-SLACK_S = 6.0
-"""On top of timeout_s and computing the prompts: a loaded 2-core machine."""
-BREAKER_COOLDOWN_S = 1.0
-SLOW_MBIT = 4
-"""The cut test's link: the prompts' KV (about 1.2 MiB) takes a few seconds on it."""
-
-
-class Hosts:
-    """The topology and the engines of one backend."""
-
-    def __init__(self, net: netns.Topology, producer: EngineProcess, consumer: EngineProcess):
-        self.net, self.producer, self.consumer = net, producer, consumer
-
-    def stats(self) -> dict[str, float]:
-        stats: dict[str, float] = self.consumer.call("stats")["stats"]
-        return stats
-
-    def shape(self, rate_mbit: int | None) -> None:
-        for host in self.net.hosts.values():
-            if rate_mbit is None:
-                host.clear_shaping()
-            else:  # a small burst: the first MiB must not pass at line rate
-                host.limit_rate(rate_mbit, burst_kib=96)
-
-
-def _served(backend: str) -> dict[str, Any]:
-    return {"backend": backend, "host": "0.0.0.0", "timeout_s": TIMEOUT_S}
-
-
-BACKENDS = {
-    "tcp": _served("tcp"),
-    "nixl": _served("nixl"),
-    "mooncake": _served("mooncake"),
-    "shm-then-tcp": {
-        "backend": "multi",
-        "policy": "fallback",
-        "timeout_s": TIMEOUT_S,
-        "children": [_served("shm"), _served("tcp")],
-        "breaker": {"cooldown_s": BREAKER_COOLDOWN_S},
-    },
-}
-"""``shm-then-tcp``: shm refuses the other host per key, the tcp child serves. Its
-breaker opens on the failures of the cut; it is let through again (the tcp
-child is healthy) once the cooldown has passed."""
+BACKENDS = netns_backends(TIMEOUT_S, BREAKER_COOLDOWN_S)
 
 
 @pytest.fixture(
@@ -89,26 +50,12 @@ child is healthy) once the cooldown has passed."""
     ],
 )
 def hosts(request: Any, tiny_model_dir: str) -> Iterator[Hosts]:
-    backend = BACKENDS[request.param]
     env = {"UCX_TLS": "tcp,self"} if request.param == "nixl" else {}
-    with netns.topology("p", "d") as net:
-        producer = EngineProcess(
-            spec(tiny_model_dir, backend, "kv_producer", env=env),
-            wait=False,
-            prefix=net["p"].command([]),
-        )
-        consumer = EngineProcess(
-            spec(tiny_model_dir, backend, "kv_consumer", env=env),
-            wait=False,
-            prefix=net["d"].command([]),
-        )
-        try:
-            producer.wait_ready()
-            consumer.wait_ready()
-            yield Hosts(net, producer, consumer)
-        finally:
-            producer.stop()
-            consumer.stop()
+    with (
+        netns.topology("p", "d") as net,
+        pd_across(net, tiny_model_dir, BACKENDS[request.param], env) as hosts,
+    ):
+        yield hosts
 
 
 def test_pd_across_hosts_matches_a_single_instance(
@@ -132,39 +79,10 @@ def test_a_link_cut_while_decode_loads_recomputes_by_the_deadline(
     """The link is slowed so the loads take seconds, then cut one second into the
     decode: the loads fail by their deadline, vLLM recomputes, the tokens are a
     single instance's; with the link back, the next P/D loads every block."""
-    assert hosts.consumer.call("reset_prefix_cache")["ok"]
-    started = time.monotonic()
-    assert tokens(hosts.consumer.generate(PROMPTS, MAX_TOKENS)) == vllm_reference
-    compute_s = time.monotonic() - started
-    assert hosts.consumer.call("reset_prefix_cache")["ok"]
-
-    params = prefill(hosts.producer)
-    before = hosts.stats()
-    hosts.shape(SLOW_MBIT)
-    cutter = threading.Timer(1.0, hosts.net["p"].link_down)
-    try:
-        started = time.monotonic()
-        cutter.start()
-        decoded = hosts.consumer.generate(PROMPTS, MAX_TOKENS, params)
-        took = time.monotonic() - started
-    finally:
-        cutter.cancel()
-        cutter.join()
-        hosts.net["p"].link_up()
-        hosts.shape(None)
-    after = hosts.stats()
-    print(f"\nlink cut while loading: decode {took:.2f} s (timeout_s={TIMEOUT_S})")
-    assert tokens(decoded) == vllm_reference
-    assert after.get("load_blocks_failed", 0) > before.get("load_blocks_failed", 0)
-    assert took < TIMEOUT_S + compute_s + SLACK_S
+    a_cut_while_loading_recomputes(hosts, "p", vllm_reference)
 
     time.sleep(BREAKER_COOLDOWN_S + 0.5)  # a multi's breaker lets the healed child through
-    assert hosts.consumer.call("reset_prefix_cache")["ok"]
-    params = prefill(hosts.producer)
-    healed_before = hosts.stats()
-    assert tokens(hosts.consumer.generate(PROMPTS, MAX_TOKENS, params)) == vllm_reference
-    healed = hosts.stats()
-    assert healed["load_blocks_ok"] - healed_before["load_blocks_ok"] == LOADED_BLOCKS
+    loads_every_block_again(hosts, vllm_reference, within_s=0)
 
 
 def test_a_slow_link_gives_the_right_tokens_in_bounded_time(

@@ -39,6 +39,7 @@ from kvmux.demo.run import stop_all
 from kvmux.demo.servers import VllmServer
 from kvmux.models import tiny_model
 from kvmux.testing import netns
+from netns_support import NEEDS_NETNS, netns_backends
 from vllm_e2e_support import installed
 from xpyd_support import (
     SPEC,
@@ -51,10 +52,7 @@ from xpyd_support import (
     wait_for,
 )
 
-pytestmark = [
-    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
-    pytest.mark.timeout(900),
-]
+pytestmark = NEEDS_NETNS
 
 PROXY_PORT = 8000
 UNREACHABLE_AFTER_S = 3.0
@@ -63,20 +61,10 @@ LOAD_TIMEOUT_S = 8.0
 BREAKER_COOLDOWN_S = 1.0
 
 
-def _served(backend: str) -> dict[str, Any]:
-    return {"backend": backend, "host": "0.0.0.0", "timeout_s": LOAD_TIMEOUT_S}
-
-
 BACKENDS: dict[str, dict[str, Any]] = {
-    "tcp": _served("tcp"),
-    "nixl": _served("nixl"),
-    "shm-then-tcp": {
-        "backend": "multi",
-        "policy": "fallback",
-        "timeout_s": LOAD_TIMEOUT_S,
-        "children": [_served("shm"), _served("tcp")],
-        "breaker": {"cooldown_s": BREAKER_COOLDOWN_S},
-    },
+    name: config
+    for name, config in netns_backends(LOAD_TIMEOUT_S, BREAKER_COOLDOWN_S).items()
+    if name != "mooncake"
 }
 """``shm-then-tcp``: every decode's shm child refuses the prefill on another host
 per key at once and the tcp child serves; its breaker, should the cut's

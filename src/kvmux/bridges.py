@@ -20,6 +20,7 @@ import torch
 from pydantic import ValidationError
 
 from kvmux.backend import Address, Backend, Health
+from kvmux.bounded import bounded_call
 from kvmux.buffer import LookupBuffer
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
@@ -255,6 +256,11 @@ class BufferBackend(Backend):
     scheduler). A load takes what is there now (``drop_select`` with no wait),
     so a key the buffer does not hold is reported missing at once; a consumer
     that expects a block still in flight polls ``lookup`` first.
+
+    Each read is bounded by the load's deadline (:func:`~kvmux.bounded.bounded_call`):
+    a buffer whose client blocks on a cut link would otherwise hold the load, and
+    the engine, past it. An abandoned read returns a tensor of its own, never
+    writes into the KV blocks, so nothing lands in them late.
     """
 
     def __init__(self, buffer: LookupBuffer, config: BackendConfig) -> None:
@@ -293,7 +299,11 @@ class BufferBackend(Backend):
         nbytes = self.copier.block_nbytes
 
         def one(key: BlockKey, block: int) -> Outcome:
-            tensor = self.buffer.drop_select(key, 0.0)
+            tensor = bounded_call(
+                lambda: self.buffer.drop_select(key, 0.0),
+                deadline - time.monotonic(),
+                f"reading {key.id} from the buffer",
+            )
             if tensor is None:
                 return MISSING
             if tensor.dtype != torch.uint8 or tensor.numel() != _HEADER_BYTES + nbytes:
@@ -319,6 +329,10 @@ class BufferBackend(Backend):
                 break
             try:
                 outcomes.append(one(key, block))
+            except TransferTimeout as exc:  # the buffer hangs: the deadline is spent
+                late = failed(str(exc))
+                outcomes.extend([late] * (len(keys) - len(outcomes)))
+                break
             except Exception as exc:  # one key's failure is that key's outcome
                 outcomes.append(failed(str(exc)))
         return outcomes

@@ -15,6 +15,7 @@ and config validation should not pay.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -30,9 +31,10 @@ from pydantic import Field, field_validator, model_validator
 
 from kvmux.backend import Address, Backend, Health
 from kvmux.blocks import BlockCopier
+from kvmux.bounded import bounded_call
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
-from kvmux.errors import NotRegisteredError, TransferError
+from kvmux.errors import NotRegisteredError, TransferError, TransferTimeout
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
@@ -298,7 +300,18 @@ class LmcacheBackend(Backend):
         source: Address | None,
         deadline: float,
     ) -> list[Outcome]:
-        return self._retrieve(self._lmc_keys(keys), block_ids)
+        """Bounded by ``deadline``: LMCache's remote client waits on a cut link far
+        longer. Past it every block is failed, since the abandoned retrieve may
+        still write into them (:mod:`kvmux.bounded`); the engine recomputes them."""
+        lmc_keys = self._lmc_keys(keys)
+        try:
+            return bounded_call(
+                lambda: self._retrieve(lmc_keys, block_ids),
+                deadline - time.monotonic(),
+                "LMCache retrieve",
+            )
+        except TransferTimeout as exc:
+            return [failed(str(exc))] * len(keys)
 
     def _retrieve(self, lmc_keys: list[Any], block_ids: list[int]) -> list[Outcome]:
         """Copy each key LMCache has into its block. LMCache maps keys to tiers by
@@ -372,8 +385,14 @@ class LmcacheBackend(Backend):
         if self._engine is not None:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-            LMCacheEngineBuilder.destroy(self._instance)
             self._engine = None
+            # Bounded: a remote client on a cut link would hold the caller's exit.
+            with contextlib.suppress(TransferTimeout):
+                bounded_call(
+                    lambda: LMCacheEngineBuilder.destroy(self._instance),
+                    self.config.timeout_s,
+                    "closing LMCache's engine",
+                )
 
 
 def _writing(tier: Any, key: Any) -> bool:

@@ -28,17 +28,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from kvmux.backend import Health
+from kvmux.bounded import bounded_call
 from kvmux.buffer import LookupBuffer
 from kvmux.config import BackendConfig
-from kvmux.errors import ClosedError, TransferError, TransferTimeout
+from kvmux.errors import ClosedError, TransferError
 from kvmux.keys import BlockKey
 from kvmux.net.advertise import host_facing
 from kvmux.net.memory import byte_view
@@ -212,10 +212,10 @@ def _shared_client(config: MooncakeStoreConfig) -> Any:
             return client
         os.environ[QUEUE_ENV] = str(config.max_queued_per_peer)
         client = MooncakeDistributedStore()
-        rc = _bounded(
+        rc = bounded_call(
             lambda: int(client.setup(*key)),
             config.timeout_s,
-            f"connecting to the Mooncake master at {config.master_address}",
+            f"Mooncake store: connecting to the Mooncake master at {config.master_address}",
         )
         if rc != 0:
             raise TransferError(
@@ -260,21 +260,3 @@ def _leave_clients() -> None:
             keep_past_exit(client)
         else:
             client.close()
-
-
-def _bounded(fn: Callable[[], int], timeout_s: float, what: str) -> int:
-    """``fn()`` in a daemon thread, waited for at most ``timeout_s``: Mooncake's client
-    calls retry on their own for far longer than kvmux promises to wait."""
-    done: Future[int] = Future()
-
-    def call() -> None:
-        try:
-            done.set_result(fn())
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    threading.Thread(target=call, name="kvmux-mooncake-store", daemon=True).start()
-    try:
-        return done.result(timeout=timeout_s)
-    except TimeoutError:
-        raise TransferTimeout(f"Mooncake store: {what} took over {timeout_s} s") from None
