@@ -48,8 +48,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvmux demo
 
+# LMCache over Mooncake Store runs in a pytest process of its own: in the one
+# long process of the whole suite, LMCache's Mooncake client crashed it twice
+# (SIGSEGV, at a random test of that class; 0 of 5 runs alone). See CHANGELOG.
+ISOLATED := tests/test_lmcache.py::TestLmcacheMooncakeStoreConformance
+
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest --deselect $(ISOLATED)
+	$(BIN)/pytest $(ISOLATED)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples
