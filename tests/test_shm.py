@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvmux.backends import shm
 from kvmux.backends.shm import ShmBackend
 from kvmux.connector import Connector
 from kvmux.keys import BlockKey
@@ -190,3 +191,113 @@ def test_a_consumer_that_disconnects_releases_its_pins(
     assert conn.stats()["pinned_blocks"] == 2
     client.close()
     wait_until(lambda: conn.stats()["pinned_blocks"] == 0, 2)
+
+
+# ------------------------------------------------- unpinned reads, checked after
+
+
+@pytest.fixture
+def pinning_counted(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
+    """How many slots the ``small_pool`` producer pinned, one entry per locate."""
+    conn, _ = small_pool
+    transport = conn.backend.transport
+    pinned: list[int] = []
+    pin = transport.pin
+
+    def counted(rows: Any, session: Any) -> int:
+        pinned.append(len(rows))
+        return pin(rows, session)
+
+    monkeypatch.setattr(transport, "pin", counted)
+    return pinned
+
+
+def rewrite_during_the_copy(consumer: Consumer, rewrite: Any) -> None:
+    """Run ``rewrite`` on the producer once, right after the consumer's first copy,
+    before it checks the versions: as if the producer wrote while it copied."""
+    copier = consumer.connector.backend.transport.copier
+    copy_in = copier.copy_in
+    pending = [rewrite]
+
+    def copy_then_rewrite(*args: Any, **kwargs: Any) -> None:
+        copy_in(*args, **kwargs)
+        if pending:
+            pending.pop()()
+
+    copier.copy_in = copy_then_rewrite  # type: ignore[method-assign]
+
+
+@pytest.mark.skipif(not shm.UNPINNED_READS, reason="this processor locates and pins every load")
+def test_a_load_pins_nothing_when_no_row_is_rewritten_meanwhile(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]], pinning_counted: list[int]
+) -> None:
+    conn, caches = small_pool
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+        result = consumer.load(make_keys(4), [0, 1, 2, 3], conn.address())
+        assert result.ok and torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert pinning_counted == [], "nothing was rewritten: no locate, no lease"
+    finally:
+        consumer.connector.close()
+
+
+@pytest.mark.skipif(not shm.UNPINNED_READS, reason="this processor locates and pins every load")
+def test_a_row_rewritten_while_copied_is_copied_again_under_a_pin(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]], pinning_counted: list[int]
+) -> None:
+    conn, caches = small_pool
+    keys = make_keys(4)
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+
+        def save_again() -> None:  # same key, same bytes, its slot written anew
+            conn.release(keys[:1])
+            assert conn.save(keys[:1], [0]).result(5).ok
+
+        rewrite_during_the_copy(consumer, save_again)
+        result = consumer.load(keys, [0, 1, 2, 3], conn.address())
+        assert result.ok and torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert pinning_counted == [1], "only the rewritten key is located, and pinned"
+        assert conn.stats()["pinned_blocks"] == 0  # and unpinned after
+    finally:
+        consumer.connector.close()
+
+
+@pytest.mark.skipif(not shm.UNPINNED_READS, reason="this processor locates and pins every load")
+def test_a_key_rewritten_away_while_copied_fails_rather_than_missing(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, caches = small_pool
+    keys = make_keys(8)
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+
+        def replace_it() -> None:  # the first key's slot now holds another key
+            conn.release(keys[:1])
+            assert conn.save(keys[4:5], [4]).result(5).ok
+
+        rewrite_during_the_copy(consumer, replace_it)
+        result = consumer.load(keys[:4], [0, 1, 2, 3], conn.address())
+        # Its block holds some of what was copied: failed (bytes unsure), not missing
+        # (which promises an untouched block). The others arrived.
+        assert statuses(result) == ["failed", "ok", "ok", "ok"]
+        assert "overwritten" in (result.outcomes[0].reason or "")
+        assert torch.equal(consumer.blocks(range(1, 4)), block_bytes(caches, range(1, 4)))
+    finally:
+        consumer.connector.close()
+
+
+def test_a_save_bumps_the_versions_of_the_rows_it_writes(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = small_pool
+    segment = conn.backend.transport._segment
+    assert segment is not None
+    before = segment.versions.copy()
+    keys = make_keys(8)
+    conn.release(keys[1:2])  # frees its slot; the next save takes it
+    assert conn.save(keys[4:5], [4]).result(5).ok
+    changed = (segment.versions != before).nonzero()[0].tolist()
+    assert len(changed) == 1 and segment.versions[changed[0]] == before[changed[0]] + 1

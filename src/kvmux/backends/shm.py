@@ -2,42 +2,59 @@
 copies straight out of it.
 
 The P/D default on one host. Bytes never cross a socket: the control channel
-(TCP on loopback, the same framing as ``tcp``) asks the producer to *locate*
-a batch of keys, which pins their slots under a lease and answers with the
-segment name and rows; the consumer maps the segment once (cached per peer),
-copies the rows into its blocks with one strided copy per run, and unpins.
+(TCP on loopback, the same framing as ``tcp``) asks the producer where a
+batch of keys is; the consumer maps the segment once (cached per peer) and
+copies the rows into its blocks with one strided copy per run.
 
-Never wrong bytes: a slot is only overwritten once its pin is gone, and a
-pin lasts until unpin or ``lease_s``. The consumer counts the lease from
-*before* it sent the request, so if its copy finished inside that window the
-slots were still pinned throughout; otherwise the keys fail. Only a peer on
-this host is accepted: its ``host_id`` must be this one's (the kernel and the
-``/dev/shm`` it mounts), else every key fails at once saying so; and the
-mapped segment must carry the random token the producer announced.
+Never wrong bytes, without a lease on the usual path. The producer answers a
+*peek* with each found row's *version*, a counter in the segment that it bumps
+before it overwrites the row (:class:`~kvmux.net.segment.OwnedSegment`). The
+consumer copies, then reads the versions again: a row whose version moved was
+being rewritten, and only those keys go again through a *locate*, which pins
+their slots under a lease (``lease_s``, counted from before the request) and
+is ended by an unpin. A one-block load thus costs one request and its reply,
+not also an unpin message and the producer's bookkeeping of a lease. The
+check relies on x86's store order (the producer's version store is seen
+before its data stores; the consumer's loads are not reordered): elsewhere
+every load locates and pins. The producer still answers every load, so a
+stopped or dead one delivers nothing.
+
+Only a peer on this host is accepted: its ``host_id`` must be this one's (the
+kernel and the ``/dev/shm`` it mounts), else every key fails at once saying
+so; and the mapped segment must carry the random token the producer announced.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field
 
 from kvmux.errors import TransferError
+from kvmux.handle import MISSING, OK, Outcome, failed
+from kvmux.keys import BlockKey
 from kvmux.net.client import Link
-from kvmux.net.messages import PinReply
+from kvmux.net.messages import Message, PeekRequest, PinReply, expect, pack_rows
 from kvmux.net.segment import MappedSegment, OwnedSegment, host_id
+from kvmux.net.server import Handler, Session
 from kvmux.net.shm_messages import LocateReply
 from kvmux.pool.config import PinnedPoolConfig
 from kvmux.pool.peer import PeerAddress
 from kvmux.pool.pinned import PinnedTransport, Rows
 from kvmux.pool.served import ServedPoolBackend
 from kvmux.pool.store import PoolStore
+from kvmux.pool.transport import Refusal
 
 _MAPPED_PEERS = 8
 """Producers whose segments stay mapped at once; a mapping pins the producer's memory."""
+UNPINNED_READS = platform.machine().lower() in {"x86_64", "amd64"}
+"""Whether loads peek and check versions (see the module docstring) rather than
+locate and pin: only where the processor keeps stores in order."""
 
 
 class ShmConfig(PinnedPoolConfig):
@@ -60,6 +77,7 @@ class ShmTransport(PinnedTransport):
         self._host_id = host_id()
         self._mapped: OrderedDict[tuple[str, int], MappedSegment] = OrderedDict()
         self._mapped_lock = threading.Lock()
+        self.before_overwrite = self._bump_versions
 
     def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         self._segment = OwnedSegment(slots, block_nbytes)
@@ -75,7 +93,33 @@ class ShmTransport(PinnedTransport):
 
     # ------------------------------------------------------------------ producer
 
-    def locate_reply(self, lease: int, slots: int, block_nbytes: int, rows: bytes) -> PinReply:
+    def _bump_versions(self, rows: list[int]) -> None:
+        assert self._segment is not None  # rows exist only once the pool is made
+        self._segment.bump(rows)
+
+    def handlers(self, refused: Refusal) -> dict[type[Message], Handler]:
+        def serve_peek(session: Session, req: PeekRequest) -> None:
+            if not refused(session):
+                self._serve_peek(session, req)
+
+        return {**super().handlers(refused), PeekRequest: serve_peek}
+
+    def _serve_peek(self, session: Session, req: PeekRequest) -> None:
+        keys = req.block_keys()
+        store = self.store
+        with store.lock:  # rows and versions read together: no save is half done
+            rows = self.find_rows(keys)
+            versions = np.zeros(len(rows), dtype="<u8")
+            if self._segment is not None and store.pool is not None:
+                hit = rows >= 0
+                versions[hit] = self._segment.versions[rows[hit]]
+            slots = store.slots.slots
+        block_nbytes = self.copier.block_nbytes if store.pool is not None else 0
+        session.send(self.locate_reply(0, slots, block_nbytes, pack_rows(rows), versions.tobytes()))
+
+    def locate_reply(
+        self, lease: int, slots: int, block_nbytes: int, rows: bytes, versions: bytes | None = None
+    ) -> LocateReply:
         segment = self._segment
         return LocateReply(
             lease=lease,
@@ -83,9 +127,11 @@ class ShmTransport(PinnedTransport):
             segment=segment.name if segment is not None else None,
             token=segment.token if segment is not None else None,
             offset=segment.offset if segment is not None else 0,
+            versions_offset=segment.versions_offset if segment is not None else None,
             slots=slots,
             block_nbytes=block_nbytes,
             rows=rows,
+            versions=versions,
         )
 
     # ------------------------------------------------------------------ consumer
@@ -97,6 +143,57 @@ class ShmTransport(PinnedTransport):
                 f"another /dev/shm (host id {peer.host_id}, here {self._host_id}); shm only "
                 "works within one host: use tcp, or a multi with a tcp child to fall back"
             )
+
+    def pull(
+        self, link: Link, keys: list[BlockKey], block_ids: list[int], deadline: float
+    ) -> list[Outcome]:
+        """Peek, copy, check the versions; locate and pin only the keys whose rows
+        were rewritten meanwhile (see the module docstring)."""
+        if not UNPINNED_READS:
+            return super().pull(link, keys, block_ids, deadline)
+        link.channel.send(PeekRequest.of(keys), deadline=deadline)
+        reply = expect(link.channel.recv(deadline), LocateReply)
+        all_rows = reply.row_array()  # validated on receipt: each -1 or inside the pool
+        if len(all_rows) != len(keys) or reply.versions is None:
+            raise TransferError(f"peek reply for {len(all_rows)} keys, asked {len(keys)}")
+        hit = all_rows >= 0
+        if not hit.any():
+            return [MISSING] * len(keys)
+        if reply.block_nbytes != self.copier.block_nbytes:
+            raise TransferError(
+                f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
+            )
+        rows = all_rows[hit].astype(np.int64)
+        source = self._mapping(link, reply)
+        assert source.versions is not None  # the reply's versions_offset mapped them
+        self.copier.copy_in(
+            np.asarray(block_ids, dtype=np.int64)[hit].tolist(), source.pool, rows.tolist()
+        )
+        moved = source.versions[rows] != reply.version_array()[hit]
+        outcomes: list[Outcome] = [OK if h else MISSING for h in hit.tolist()]
+        if moved.any():
+            self._again(link, keys, block_ids, np.flatnonzero(hit)[moved], outcomes, deadline)
+        return outcomes
+
+    def _again(
+        self,
+        link: Link,
+        keys: list[BlockKey],
+        block_ids: list[int],
+        redo: Rows,
+        outcomes: list[Outcome],
+        deadline: float,
+    ) -> None:
+        """Locate and pin the keys at ``redo``, whose rows were rewritten while they
+        were copied, and copy them again. One whose key is gone by now is failed,
+        not missing: its blocks hold some of what was copied."""
+        picked = redo.tolist()
+        again = super().pull(
+            link, [keys[i] for i in picked], [block_ids[i] for i in picked], deadline
+        )
+        gone = failed("overwritten by the producer while copied, then gone")
+        for i, outcome in zip(picked, again, strict=True):
+            outcomes[i] = gone if outcome is MISSING else outcome
 
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, LocateReply)
@@ -112,7 +209,12 @@ class ShmTransport(PinnedTransport):
                 self._mapped.move_to_end(link.endpoint)
                 return mapped
         mapped = MappedSegment(
-            reply.segment, reply.token, reply.offset, reply.slots, reply.block_nbytes
+            reply.segment,
+            reply.token,
+            reply.offset,
+            reply.slots,
+            reply.block_nbytes,
+            reply.versions_offset,
         )
         with self._mapped_lock:
             self._mapped[link.endpoint] = mapped

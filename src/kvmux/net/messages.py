@@ -287,6 +287,13 @@ class LocateRequest(_KeysRequest):
     kind: Literal["locate"] = "locate"
 
 
+class PeekRequest(_KeysRequest):
+    """Tell me where these blocks are and each one's slot version, without pinning
+    them: the consumer checks the versions after its copy (shm)."""
+
+    kind: Literal["peek"] = "peek"
+
+
 class PinReply(Message):
     """What every locate reply carries, whatever the transport adds: the lease that
     pins the found slots, and per requested key its ``rows`` entry.
@@ -501,6 +508,7 @@ PEER_PROTOCOL = WireProtocol(
     FetchReply,
     Blocks,
     LocateRequest,
+    PeekRequest,
     Unpin,
     Renew,
     Release,

@@ -7,7 +7,11 @@ consumer exits. A plain ``mmap`` of the file has no such side effect.
 
 Layout of a segment: one page of header (``_MAGIC`` and the owner's random
 token, which a consumer checks to be sure it mapped the segment its peer
-meant), then the pool, ``slots * block_nbytes`` bytes, page aligned.
+meant), then the slots' *versions* (one little-endian uint64 per slot, bumped
+by the owner before it overwrites the slot: what lets a consumer copy a slot
+without pinning it and then check nobody wrote it meanwhile, see
+:mod:`kvmux.backends.shm`), then the pool, ``slots * block_nbytes`` bytes,
+both page aligned.
 
 Leaks: the owner unlinks the file on ``close()``, and a finalizer does it at
 interpreter exit if close was never called. A process killed outright (OOM,
@@ -31,6 +35,8 @@ import warnings
 import weakref
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvmux.errors import CapacityError, TransferError
@@ -40,6 +46,11 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 HEADER_NBYTES = mmap.PAGESIZE
 _MAGIC = b"KVMXSEG1"
+VERSION_NBYTES = 8
+
+
+def _page_up(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def host_id() -> str:
@@ -66,8 +77,9 @@ class OwnedSegment:
         self.name = f"kvmux-{os.getpid()}-{secrets.token_hex(8)}"
         self.token = secrets.token_hex(16)
         self.path = SHM_DIR / self.name
-        self.offset = HEADER_NBYTES
-        size = HEADER_NBYTES + slots * block_nbytes
+        self.versions_offset = HEADER_NBYTES
+        self.offset = HEADER_NBYTES + _page_up(slots * VERSION_NBYTES)
+        size = self.offset + slots * block_nbytes
         staging = SHM_DIR / f".{self.name}.new"
         fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -91,7 +103,18 @@ class OwnedSegment:
         self.pool = torch.frombuffer(
             self._mmap, dtype=torch.uint8, offset=self.offset, count=slots * block_nbytes
         ).view(slots, block_nbytes)
+        self.versions: npt.NDArray[np.uint64] = np.frombuffer(
+            self._mmap, dtype="<u8", count=slots, offset=self.versions_offset
+        )
+        """Each slot's version: bumped (``bump``) before the slot is overwritten."""
         self._finalizer = weakref.finalize(self, _remove, self.path, fd)
+
+    def bump(self, rows: list[int]) -> None:
+        """Mark ``rows`` as about to be overwritten. Called before the first byte of
+        them changes, so a consumer that read a row's version, then its bytes, then
+        the version again sees a change if any byte it copied was new (x86's store
+        order: see :mod:`kvmux.backends.shm`)."""
+        self.versions[rows] += np.uint64(1)
 
     def close(self) -> None:
         """Unlink the segment and drop the lock. Mappings (ours while a tensor still
@@ -108,7 +131,15 @@ def _remove(path: Path, fd: int) -> None:
 class MappedSegment:
     """A consumer's read-only mapping of a producer's segment."""
 
-    def __init__(self, name: str, token: str, offset: int, slots: int, block_nbytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        token: str,
+        offset: int,
+        slots: int,
+        block_nbytes: int,
+        versions_offset: int | None = None,
+    ) -> None:
         self.name = name
         path = SHM_DIR / name
         try:
@@ -120,7 +151,9 @@ class MappedSegment:
             ) from None
         try:
             size = os.fstat(fd).st_size
-            if size < offset + slots * block_nbytes:
+            if size < offset + slots * block_nbytes or (
+                versions_offset is not None and size < versions_offset + slots * VERSION_NBYTES
+            ):
                 raise TransferError(f"segment {path} is {size} bytes, smaller than announced")
             # Populated up front: faulting pages in one at a time during copies
             # costs several times the copy itself (about 0.2 s per 256 MiB).
@@ -135,6 +168,10 @@ class MappedSegment:
             self.pool = torch.frombuffer(
                 mapped, dtype=torch.uint8, offset=offset, count=slots * block_nbytes
             ).view(slots, block_nbytes)
+        self.versions: npt.NDArray[np.uint64] | None = None
+        """The producer's slot versions, where it announced them (read-only)."""
+        if versions_offset is not None:
+            self.versions = np.frombuffer(mapped, dtype="<u8", count=slots, offset=versions_offset)
 
 
 def sweep_orphans() -> int:

@@ -53,19 +53,22 @@ class PinnedTransport(PullTransport):
         keys = req.block_keys()
         store = self.store
         with store.lock:
-            serving = store.pool is not None
-            rows: Rows
-            if not serving:
-                rows = np.full(len(keys), -1, dtype=np.int64)
-            elif len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
-                rows = np.array(store.slots.find_few(keys), dtype=np.int64)
-            else:
-                rows = store.slots.find_many(keys)
+            rows = self.find_rows(keys)
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots
-        block_nbytes = self.copier.block_nbytes if serving else 0
+        block_nbytes = self.copier.block_nbytes if store.pool is not None else 0
         session.send(self.locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
+
+    def find_rows(self, keys: list[BlockKey]) -> Rows:
+        """The pool row of each key, -1 where missing (all missing with no pool).
+        Caller holds the store's lock."""
+        store = self.store
+        if store.pool is None:
+            return np.full(len(keys), -1, dtype=np.int64)
+        if len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
+            return np.array(store.slots.find_few(keys), dtype=np.int64)
+        return store.slots.find_many(keys)
 
     def pin(self, rows: Rows, session: Session) -> int:
         """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds

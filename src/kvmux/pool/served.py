@@ -76,7 +76,7 @@ class ServedPoolBackend(Backend):
     def register(self, blocks: BlockCopier) -> None:
         """Register with the transport, make the pool, then start serving it."""
         self.transport.register(blocks)
-        self.store.open(blocks, self.transport.make_pool)
+        self.store.open(blocks, self.transport.make_pool, self.transport.before_overwrite)
         layout = blocks.layout
         self._terms = Terms(layout.fingerprint(), Compat.of(layout))
         self.server = PoolServer(

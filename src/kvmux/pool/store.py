@@ -27,6 +27,9 @@ from kvmux.slots import PinnedSlots
 
 MakePool = Callable[[int, int], torch.Tensor]
 """``(slots, block_nbytes)`` -> the ``[slots, block_nbytes]`` uint8 pool tensor."""
+BeforeOverwrite = Callable[[list[int]], None]
+"""Told the pool rows a save is about to write, before any byte of them changes
+(the ``shm`` transport bumps their versions)."""
 
 
 def host_pool(slots: int, block_nbytes: int) -> torch.Tensor:
@@ -47,9 +50,16 @@ class PoolStore:
         self.slots = PinnedSlots(0)
         self._publications = Publications()
         self._copier: BlockCopier | None = None
+        self._before_overwrite: BeforeOverwrite | None = None
 
-    def open(self, blocks: BlockCopier, make_pool: MakePool = host_pool) -> None:
-        """Size the pool for ``blocks``' layout and make it with ``make_pool``."""
+    def open(
+        self,
+        blocks: BlockCopier,
+        make_pool: MakePool = host_pool,
+        before_overwrite: BeforeOverwrite | None = None,
+    ) -> None:
+        """Size the pool for ``blocks``' layout and make it with ``make_pool``;
+        ``before_overwrite``, if given, hears of every row before a save writes it."""
         layout = blocks.layout
         slots = self.capacity_bytes // layout.block_nbytes
         if slots == 0:
@@ -60,6 +70,7 @@ class PoolStore:
         pool = make_pool(slots, layout.block_nbytes)
         with self.lock:
             self._copier = blocks
+            self._before_overwrite = before_overwrite
             self.pool = pool
             self.slots = PinnedSlots(slots)
             self._publications.clear()
@@ -107,6 +118,8 @@ class PoolStore:
             rows = self.slots.allocate_many(keys[done:], self.slots.protected())
             if not rows:
                 break
+            if self._before_overwrite is not None:
+                self._before_overwrite(rows)
             copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
             done += len(rows)
         return done

@@ -68,6 +68,10 @@ class PullTransport(ABC):
     def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         """The ``[slots, block_nbytes]`` uint8 pool, where peers can reach it."""
 
+    before_overwrite: Callable[[list[int]], None] | None = None
+    """Hook: told the pool rows a save is about to write, before any byte changes
+    (under the store's lock). None: nobody needs to know."""
+
     # ---------------------------------------------------------------- producer
 
     @abstractmethod
