@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+import kvmux.bridges
 from kvmux.bridges import BufferBackend, PipeLookupBuffer
 from kvmux.buffer import LookupBuffer
 from kvmux.config import BackendConfig
@@ -173,3 +175,104 @@ def test_a_buffer_whose_read_blocks_fails_the_load_at_its_deadline_not_later() -
     finally:
         buffer.released.set()
         conn.close()
+
+
+class _DictBuffer(LookupBuffer):
+    """An in-process buffer that records each read and the thread that made it; a
+    key in ``hang_on`` blocks its read until ``released`` is set."""
+
+    def __init__(self, config: BackendConfig, hang_on: frozenset[BlockKey] = frozenset()) -> None:
+        super().__init__(config)
+        self.store: dict[BlockKey, torch.Tensor] = {}
+        self.hang_on = hang_on
+        self.released = threading.Event()
+        self.reads: list[tuple[BlockKey, threading.Thread]] = []
+
+    def insert(self, key: BlockKey, tensor: torch.Tensor) -> None:
+        self.store[key] = tensor
+
+    def drop_select(self, key: BlockKey, timeout: float) -> torch.Tensor | None:
+        self.reads.append((key, threading.current_thread()))
+        if key in self.hang_on:
+            self.released.wait(60)
+        return self.store.pop(key, None)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self.store
+
+    def close(self) -> None:
+        self.released.set()
+
+
+def _connector(buffer: _DictBuffer, caches: dict[str, torch.Tensor]) -> Connector:
+    conn = Connector(BufferBackend(buffer, buffer.config))
+    conn.register(make_layout(caches), caches)
+    return conn
+
+
+def test_a_load_reads_its_whole_batch_in_one_bounded_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    buffer = _DictBuffer(BackendConfig(backend="dict", timeout_s=5.0))
+    keys = make_keys(8)
+    caches = make_caches(3, 6)
+    producer = _connector(buffer, caches)
+    consumer_caches = empty_caches(8)
+    consumer = _connector(buffer, consumer_caches)
+    callers: list[threading.Thread] = []
+    real_bounded_call = kvmux.bridges.bounded_call
+
+    def counting(fn: Callable[[], object], timeout_s: float, what: str) -> object:
+        callers.append(threading.current_thread())
+        return real_bounded_call(fn, timeout_s, what)
+
+    try:
+        assert producer.save(keys[:6], list(range(6))).result(5).ok
+        monkeypatch.setattr(kvmux.bridges, "bounded_call", counting)
+        result = consumer.load(keys, [7, 6, 5, 4, 3, 2, 1, 0]).result(10)
+        assert [o.status.value for o in result.outcomes] == ["ok"] * 6 + ["missing"] * 2
+        assert torch.equal(
+            block_bytes(consumer_caches, [7, 6, 5, 4, 3, 2]), block_bytes(caches, range(6))
+        )
+        assert not block_bytes(consumer_caches, [1, 0]).any()
+        # One bounded call for the 8 keys, so one reader thread, not the loader's own.
+        assert len(callers) == 1
+        assert [key for key, _ in buffer.reads] == keys
+        readers = {thread for _, thread in buffer.reads}
+        assert len(readers) == 1 and readers != {callers[0]}
+        assert readers.pop().name.startswith("kvmux-bounded: ")
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_buffer_that_hangs_mid_batch_keeps_the_keys_read_before_the_hang() -> None:
+    keys = make_keys(5)
+    buffer = _DictBuffer(BackendConfig(backend="dict", timeout_s=1.0), frozenset(keys[2:3]))
+    caches = make_caches(3, 5)
+    producer = _connector(buffer, caches)
+    consumer_caches = empty_caches(5)
+    consumer = _connector(buffer, consumer_caches)
+    try:
+        assert producer.save(keys, list(range(5))).result(5).ok
+        started = time.monotonic()
+        result = consumer.load(keys, [0, 1, 2, 3, 4]).result(10)
+        took = time.monotonic() - started
+        assert [o.status.value for o in result.outcomes] == ["ok"] * 2 + ["failed"] * 3
+        assert 1.0 <= took < 2.5, took
+        # The hung read's reason, as when each key had a bounded call of its own.
+        hung = rf"reading {keys[2].id} from the buffer took over [0-9.]+ s"
+        assert all(re.fullmatch(hung, o.reason or "") for o in result.outcomes[2:])
+        assert torch.equal(block_bytes(consumer_caches, [0, 1]), block_bytes(caches, [0, 1]))
+        assert not block_bytes(consumer_caches, [2, 3, 4]).any()
+        # The abandoned reader, once released, ends without reading another key:
+        # the blocks it never read stay in the buffer.
+        buffer.released.set()
+        reader = buffer.reads[-1][1]
+        reader.join(5)
+        assert not reader.is_alive()
+        assert [key for key, _ in buffer.reads] == keys[:3]
+        assert set(buffer.store) == set(keys[3:])
+    finally:
+        consumer.close()
+        producer.close()

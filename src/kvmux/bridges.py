@@ -257,10 +257,13 @@ class BufferBackend(Backend):
     so a key the buffer does not hold is reported missing at once; a consumer
     that expects a block still in flight polls ``lookup`` first.
 
-    Each read is bounded by the load's deadline (:func:`~kvmux.bounded.bounded_call`):
-    a buffer whose client blocks on a cut link would otherwise hold the load, and
-    the engine, past it. An abandoned read returns a tensor of its own, never
-    writes into the KV blocks, so nothing lands in them late.
+    A load's reads are bounded by its deadline, all in one
+    :func:`~kvmux.bounded.bounded_call` (one thread per load, not per block): a
+    buffer whose client blocks on a cut link would otherwise hold the load, and
+    the engine, past it. Keys read before the deadline count; the rest fail. An
+    abandoned read returns a tensor of its own, never writes into the KV blocks,
+    so nothing lands in them late; the checks and copies into the blocks run in
+    the caller's thread.
     """
 
     def __init__(self, buffer: LookupBuffer, config: BackendConfig) -> None:
@@ -298,20 +301,17 @@ class BufferBackend(Backend):
         header = self._header()
         nbytes = self.copier.block_nbytes
 
-        def one(key: BlockKey, block: int) -> Outcome:
-            tensor = bounded_call(
-                lambda: self.buffer.drop_select(key, 0.0),
-                deadline - time.monotonic(),
-                f"reading {key.id} from the buffer",
-            )
-            if tensor is None:
+        def place(read: _Read, block: int) -> Outcome:
+            if isinstance(read, Exception):  # the read's own failure, handled as if raised here
+                raise read
+            if read is None:
                 return MISSING
-            if tensor.dtype != torch.uint8 or tensor.numel() != _HEADER_BYTES + nbytes:
+            if read.dtype != torch.uint8 or read.numel() != _HEADER_BYTES + nbytes:
                 return failed(
-                    f"block holds {tensor.numel()} {tensor.dtype} elements, "
+                    f"block holds {read.numel()} {read.dtype} elements, "
                     f"layout needs {_HEADER_BYTES + nbytes} uint8"
                 )
-            flat = tensor.reshape(-1)
+            flat = read.reshape(-1)
             if not torch.equal(flat[:_HEADER_BYTES], header):
                 return failed(
                     "layout mismatch: the block was saved by an instance whose "
@@ -321,20 +321,28 @@ class BufferBackend(Backend):
             return OK
 
         self._attach(source)
-        outcomes: list[Outcome] = []
-        for key, block in zip(keys, block_ids, strict=True):
-            if time.monotonic() >= deadline:  # a peer that stopped answering
-                late = failed(f"deadline of {self.config.timeout_s} s passed")
-                outcomes.extend([late] * (len(keys) - len(outcomes)))
-                break
+        pairs = list(zip(keys, block_ids, strict=True))  # unpaired: raise before any read
+        # A key left unread failed as a peer that stopped answering does (the deadline
+        # passed before its read began), or with the read that hung past it.
+        unread = failed(f"deadline of {self.config.timeout_s} s passed")
+        batch = _BatchRead(self.buffer, keys, deadline)
+        if pairs and batch.wait_s > 0:
             try:
-                outcomes.append(one(key, block))
-            except TransferTimeout as exc:  # the buffer hangs: the deadline is spent
-                late = failed(str(exc))
-                outcomes.extend([late] * (len(keys) - len(outcomes)))
-                break
+                bounded_call(batch, batch.wait_s, f"reading {len(keys)} blocks from the buffer")
+            except TransferTimeout:  # the buffer hangs: the deadline is spent
+                hung = batch.abandon()
+                if hung is not None:
+                    unread = failed(hung)
+        outcomes: list[Outcome] = []
+        for (_, block), read in zip(pairs, batch.reads, strict=False):  # reads may stop early
+            try:
+                outcomes.append(place(read, block))
+            except TransferTimeout as exc:  # the buffer gave up: the deadline is spent
+                outcomes.extend([failed(str(exc))] * (len(keys) - len(outcomes)))
+                return outcomes
             except Exception as exc:  # one key's failure is that key's outcome
                 outcomes.append(failed(str(exc)))
+        outcomes.extend([unread] * (len(keys) - len(outcomes)))
         return outcomes
 
     def _header(self) -> torch.Tensor:
@@ -357,3 +365,59 @@ class BufferBackend(Backend):
 
 _HEADER_BYTES = 16
 """Length of the layout fingerprint in front of every block a BufferBackend stores."""
+
+_Read = torch.Tensor | Exception | None
+"""One key's read from a buffer: its tensor, None (the buffer lacks it), or what it raised."""
+
+
+class _BatchRead:
+    """A load's reads, key by key in order, all in one :func:`~kvmux.bounded.bounded_call`
+    thread (one thread per load, not one per block).
+
+    :attr:`reads` holds the reads that have completed. They stop at the deadline and
+    after a read that timed out by itself. A caller that stops waiting calls
+    :meth:`abandon`: from then on the thread starts no further read (a read
+    consumes its block) and records nothing, so :attr:`reads` is final.
+    """
+
+    def __init__(self, buffer: LookupBuffer, keys: Sequence[BlockKey], deadline: float) -> None:
+        self.buffer = buffer
+        self.keys = keys
+        self.deadline = deadline
+        self.wait_s = deadline - time.monotonic()
+        self.reads: list[_Read] = []
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._reading: float | None = self.wait_s
+        """While a read is under way (or the first is about to start): the wait it had."""
+
+    def __call__(self) -> None:
+        for key in self.keys:
+            with self._lock:
+                if self._abandoned or time.monotonic() >= self.deadline:
+                    self._reading = None
+                    return
+                self._reading = self.deadline - time.monotonic()
+            read: _Read
+            try:
+                read = self.buffer.drop_select(key, 0.0)
+            except Exception as exc:  # one key's failure is that key's outcome
+                read = exc
+            with self._lock:
+                self._reading = None
+                if self._abandoned:  # too late: discarded, as an abandoned read is
+                    return
+                self.reads.append(read)
+            if isinstance(read, TransferTimeout):  # the buffer gave up: the deadline is spent
+                return
+
+    def abandon(self) -> str | None:
+        """Stop the reads where they are. Returns why the key being read failed, if a
+        read is under way (it hung past the deadline); None if the reads had stopped."""
+        with self._lock:
+            self._abandoned = True
+            if self._reading is None:
+                return None
+            key = self.keys[len(self.reads)]
+            # The text a bounded_call of this one read would have raised.
+            return f"reading {key.id} from the buffer took over {self._reading:.3g} s"

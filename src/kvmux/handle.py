@@ -118,12 +118,17 @@ class Handle:
         """True once the transfer has finished (successfully or not)."""
         return self._future is None or self._future.done()
 
+    def _claim_if_waiting(self, timeout: float | None) -> None:
+        """A caller that waits with no timeout runs its still-queued transfer itself."""
+        future, run_here = self._future, self._run_here
+        if timeout is None and run_here is not None and future is not None and not future.done():
+            run_here()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished or ``timeout`` seconds pass; True if finished."""
         if self._future is None:
             return True
-        if timeout is None and self._run_here is not None and not self._future.done():
-            self._run_here()
+        self._claim_if_waiting(timeout)
         try:
             self._future.result(timeout)
         except FutureTimeout:
@@ -137,8 +142,7 @@ class Handle:
         if self._future is None:
             assert self._done is not None
             return self._done
-        if timeout is None and self._run_here is not None and not self._future.done():
-            self._run_here()
+        self._claim_if_waiting(timeout)
         try:
             return self._future.result(timeout)
         except FutureTimeout:
