@@ -63,3 +63,15 @@ def test_without_tqdm_the_bench_says_which_extra_to_install(
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` fail
     assert main(["bench", "--backend", "cpu", "--repeats", "1"]) == 2
     assert "kvmux bench needs tqdm: pip install 'kvmux[bench]'" in capsys.readouterr().err
+
+
+def test_a_p2p_one_block_load_is_also_timed_from_another_process() -> None:
+    one = Shape("1x256KiB", blocks=1, layers=8, tokens=16, heads=8)
+    records = bench_backend("tcp", one, repeats=1)
+    assert {r.baseline for r in records} == {"memcpy", "socket"}
+    assert all(r.error is None for r in records), records
+    # one figure for the backend, on each of its rows
+    (other,) = {r.load_us_other_process for r in records}
+    assert other is not None and 0 < other < 1e6
+    (local,) = bench_backend("cpu", one, repeats=1)
+    assert local.load_us_other_process is None  # no peer to load from

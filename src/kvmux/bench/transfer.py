@@ -42,6 +42,9 @@ class BenchRecord(BaseModel):
     added_us: float | None = None
     """Median save+load time minus the baseline's, in microseconds: what kvmux adds
     per batch (the figure that matters for the one-block shape)."""
+    load_us_other_process: float | None = None
+    """One-block shape, P2P backends: median microseconds of a one-block load from a
+    producer in another process (:func:`load_us_from_another_process`)."""
     config: dict[str, Any] | None = None
     """Config fields given beyond the backend's defaults (``kvmux bench --config``)."""
     error: str | None = None
@@ -146,7 +149,10 @@ def _bench_records(
         config=config or None,
     )
     try:
-        save_s, load_s = _save_load_seconds(name, shape, repeats, config, measure_baselines)
+        save_s, load_s, p2p = _save_load_seconds(name, shape, repeats, config, measure_baselines)
+        other_process = None
+        if p2p and shape.blocks == 1:
+            other_process = round(load_us_from_another_process(name, shape, config), 1)
     except Exception as exc:  # a broken backend is a row, not a crash
         if not base_times[baselines[0]]:
             measure_baselines()
@@ -179,6 +185,7 @@ def _bench_records(
                 load_gbps=round(shape.nbytes / load_s / 1e9, 3),
                 ratio=round(gbps / base_gbps, 3),
                 added_us=round((save_s + load_s - statistics.median(base_times[b])) * 1e6, 1),
+                load_us_other_process=other_process,
             )
         )
     return records
@@ -186,7 +193,9 @@ def _bench_records(
 
 def _save_load_seconds(
     name: str, shape: Shape, repeats: int, config: Mapping[str, Any], baseline: Callable[[], None]
-) -> tuple[float, float]:
+) -> tuple[float, float, bool]:
+    """Median save and load seconds, and whether the backend is P2P (the load went
+    from a producer to a consumer)."""
     with ExitStack() as stack:
         producer, consumer, source = stack.enter_context(_pair(name, shape, config))
         gen = torch.Generator().manual_seed(1)
@@ -209,7 +218,7 @@ def _save_load_seconds(
                 saves.append(t1 - t0)
                 loads.append(t2 - t1)
         _check_last_batch(producer, consumer, src, dst)
-        return statistics.median(saves), statistics.median(loads)
+        return statistics.median(saves), statistics.median(loads), source is not None
 
 
 def _check_last_batch(
@@ -219,6 +228,50 @@ def _check_last_batch(
     for i in (0, len(src) // 2, len(src) - 1):
         if not torch.equal(producer.copier.gather([src[i]]), consumer.copier.gather([dst[i]])):
             raise RuntimeError(f"block {src[i]} arrived corrupted")
+
+
+ONE_BLOCK_LOADS = 300
+"""Timed one-block loads from a producer in another process (after 30 to warm up)."""
+
+
+def load_us_from_another_process(
+    name: str, shape: Shape, given: Mapping[str, Any], loads: int = ONE_BLOCK_LOADS
+) -> float:
+    """Median microseconds of a one-block load of ``shape``'s block (eight 32 KiB
+    layers) from a producer in another process (:mod:`kvmux.testing.peer`), over a
+    warm connection, the bytes checked.
+
+    What a decode instance waits per one-block batch in P/D, where producer and
+    consumer never share a process. The main figures run both in this process, where
+    each message is also a hand-over of the GIL between two threads (a loopback
+    round trip between threads costs several times one between processes)."""
+    from kvmux.registry.factory import create_connector
+    from kvmux.testing.peer import block_bytes, empty_caches, make_caches, make_layout, spawn_peer
+
+    layout, seed, blocks = "eight_layers", 7, 2
+    with tempfile.TemporaryDirectory(prefix="kvmux-bench-") as tmp:
+        config = _config_for(name, shape, Path(tmp), given)
+        with spawn_peer(config, blocks, seed, layout) as peer:
+            caches = empty_caches(blocks, layout)
+            consumer = create_connector(config)
+            try:
+                consumer.register(make_layout(caches), caches)
+                times = []
+                for i in range(30 + loads):
+                    key = i % blocks
+                    start = time.perf_counter()
+                    result = consumer.load(peer.keys[key : key + 1], [key], peer.address).result()
+                    times.append(time.perf_counter() - start)
+                    if not result.ok:
+                        raise RuntimeError(f"one-block load failed: {result.outcomes[0].reason}")
+            finally:
+                consumer.close()
+    if not torch.equal(
+        block_bytes(caches, range(blocks)),
+        block_bytes(make_caches(seed, blocks, layout), range(blocks)),
+    ):
+        raise RuntimeError("a block from the other process arrived corrupted")
+    return statistics.median(times[30:]) * 1e6
 
 
 @contextmanager

@@ -298,4 +298,10 @@ def _table(records: Sequence[BenchRecord]) -> str:
     lines += [f"config over the defaults: {c}" for c in sorted(configs)]
     lines.append("GB/s = batch bytes / (save + load time); ratio = GB/s / baseline GB/s")
     lines.append("added = median save+load time minus the baseline's, per batch")
+    other = [r for r in records if r.load_us_other_process is not None and r.baseline == "memcpy"]
+    for rec in other:
+        lines.append(
+            f"{rec.backend}: a one-block load from a producer in another process takes "
+            f"{rec.load_us_other_process:.0f} us (median)"
+        )
     return "\n".join(lines)

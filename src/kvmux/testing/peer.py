@@ -46,11 +46,13 @@ LAYOUTS: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {
     "small": (2, torch.float16, (2, 16, 4, 32)),
     "other": (2, torch.bfloat16, (2, 16, 4, 32)),
     "large": (1, torch.float16, (2, 16, 32, 128)),
+    "eight_layers": (8, torch.bfloat16, (2, 16, 8, 64)),
 }
 """name -> (layers, dtype, block shape). ``small``: 16 KiB blocks in two layers
 (consumers stage them); ``other``: the same shapes in another dtype (a layout
 mismatch with ``small``); ``large``: 256 KiB single-layer blocks (received
-straight into KV memory)."""
+straight into KV memory); ``eight_layers``: 256 KiB blocks of eight 32 KiB
+layers, the block of ``kvmux bench``'s one-block shape."""
 
 
 def make_caches(seed: int, num_blocks: int, layout: str = "small") -> dict[str, torch.Tensor]:
