@@ -277,6 +277,23 @@ def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> 
     assert got.row_array().tolist() == [3, -1, 0]
 
 
+def test_a_peek_reply_carries_one_version_per_row_and_where_they_lie(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    versions = np.array([7, 0], dtype="<u8").tobytes()
+    reply = locate_reply(rows=pack_rows([3, None]), versions_offset=4096, versions=versions)
+    left.send(reply, deadline=soon())
+    got = right.recv(soon())
+    assert isinstance(got, LocateReply) and got.version_array().tolist() == [7, 0]
+    with pytest.raises(ValidationError, match="one uint64 per row"):
+        locate_reply(rows=pack_rows([3, None]), versions_offset=4096, versions=versions[:8])
+    with pytest.raises(ValidationError, match="one uint64 per row"):
+        locate_reply(rows=pack_rows([3, None]), versions=versions)  # where would they be?
+    with pytest.raises(ValidationError, match="aligned"):
+        locate_reply(versions_offset=4097)
+
+
 def test_a_reply_its_transport_registered_crosses_the_wire(pair: tuple[Channel, Channel]) -> None:
     """``nixl_locate_reply`` is not listed in kvmux.net.messages: importing its module
     registered it (and made the ``rows-not-int32s`` header above a check of its rows)."""

@@ -154,8 +154,10 @@ class ShmTransport(PinnedTransport):
         link.channel.send(PeekRequest.of(keys), deadline=deadline)
         reply = expect(link.channel.recv(deadline), LocateReply)
         all_rows = reply.row_array()  # validated on receipt: each -1 or inside the pool
-        if len(all_rows) != len(keys) or reply.versions is None:
+        if len(all_rows) != len(keys):
             raise TransferError(f"peek reply for {len(all_rows)} keys, asked {len(keys)}")
+        if reply.versions is None:
+            raise TransferError("peek reply without the rows' versions")
         hit = all_rows >= 0
         if not hit.any():
             return [MISSING] * len(keys)
