@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvmux.bounded import bounded_call
+from kvmux.bounded import Outstanding, bounded_call
 from kvmux.errors import TransferTimeout
 
 
@@ -40,3 +40,26 @@ def test_a_call_that_times_out_by_itself_keeps_its_own_message() -> None:
 
     with pytest.raises(TransferTimeout, match="the master did not answer"):
         bounded_call(gives_up, 5.0, "reading")
+
+
+def test_outstanding_counts_an_abandoned_call_until_it_ends() -> None:
+    calls = Outstanding()
+    release = threading.Event()
+    tracked = calls.track(lambda: release.wait(10))
+    assert calls.running == 1, "counted from track(), before the call even starts"
+    with pytest.raises(TransferTimeout):
+        bounded_call(tracked, 0.2, "a call that blocks")
+    assert calls.running == 1 and not calls.wait_idle(0.1), "abandoned, yet still running"
+    release.set()
+    assert calls.wait_idle(5.0) and calls.running == 0
+
+
+def test_outstanding_counts_a_call_that_raises_as_ended() -> None:
+    calls = Outstanding()
+
+    def broken() -> None:
+        raise ValueError("gone")
+
+    with pytest.raises(ValueError):
+        bounded_call(calls.track(broken), 5.0, "a call that fails")
+    assert calls.wait_idle(0.0)

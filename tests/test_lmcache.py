@@ -316,3 +316,47 @@ def test_a_retrieve_that_blocks_fails_every_block_at_the_deadline_not_later(
     finally:
         released.set()
         conn.close()
+
+
+def test_close_destroys_the_engine_only_after_an_abandoned_retrieve_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retrieve abandoned at its deadline goes on copying out of LMCache's memory
+    objects once its read returns; destroying the engine under it freed them (a
+    SIGSEGV in the copy, seen in CI). ``close`` waits for it, within ``timeout_s``."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    config = {"backend": "lmcache", **SMALL, "timeout_s": 1.0}
+    conn = create_connector(config)
+    caches = make_caches(SEED, 4)
+    layout = make_layout(caches)
+    conn.register(layout, caches)
+    events: list[str] = []
+    released = threading.Event()
+    keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "late")
+    assert conn.save(keys, list(range(4))).result(10).ok
+    storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
+    blocking = storage.batched_get
+
+    def late_get(*args: Any, **kwargs: Any) -> Any:
+        released.wait(60)
+        got = blocking(*args, **kwargs)
+        time.sleep(0.2)  # the copy out of what it returned comes after this
+        events.append("retrieve read")
+        return got
+
+    destroy = LMCacheEngineBuilder.destroy
+
+    def recorded(instance_id: str) -> None:
+        events.append("destroy")
+        destroy(instance_id)
+
+    monkeypatch.setattr(storage, "batched_get", late_get)
+    monkeypatch.setattr(LMCacheEngineBuilder, "destroy", recorded)
+    try:
+        result = conn.load(keys, list(range(4))).result(10)
+        assert set(statuses(result)) == {"failed"}, statuses(result)
+    finally:
+        released.set()
+        conn.close()
+    assert events == ["retrieve read", "destroy"], events

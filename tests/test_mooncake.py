@@ -3,12 +3,14 @@ LookupBuffer) with the real ``mooncake`` package, across OS processes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,37 @@ def test_a_read_abandoned_at_its_deadline_stops_competing_for_the_cpu(
     wait_until(lambda: bool(policies), 5.0)
     assert policies == [os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller keeps its own priority"
+
+
+def test_an_abandoned_read_keeps_its_destination_memory_alive_until_te_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TE writes by address: a read abandoned at its deadline that completes later
+    (a frozen peer resumed, a cut link back) must find its destination still
+    allocated, not freed and handed to someone else."""
+    engine = MooncakeEngine("127.0.0.1", "tcp", "", 8192)
+    stuck, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    class Late:
+        def batch_transfer_sync_read(self, peer: str, *ranges: list[int]) -> int:
+            stuck.set()
+            release.wait(10.0)
+            returned.set()
+            return 0
+
+    monkeypatch.setattr(engine, "_engine", Late())
+    kv = torch.zeros(16)
+    alive = weakref.ref(kv)
+    try:
+        with pytest.raises(TransferTimeout):
+            engine.read("127.0.0.1:1", [kv.data_ptr()], [0], [64], timeout_s=0.3, keep=kv)
+        del kv
+        gc.collect()
+        assert stuck.is_set() and alive() is not None, "freed while TE may still write"
+    finally:
+        release.set()
+    wait_until(returned.is_set, 5.0)
+    wait_until(lambda: gc.collect() >= 0 and alive() is None, 5.0)  # then let go
 
 
 def test_two_connectors_of_a_process_may_register_the_same_kv() -> None:

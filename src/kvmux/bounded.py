@@ -11,6 +11,10 @@ returns is discarded, but a call that writes into caller memory (a read into
 KV blocks) may still write there after the deadline. The caller must then
 report those target blocks failed, so the engine recomputes them and no one
 trusts their contents.
+
+Caveat (late frees): what the abandoned call uses (a client, an engine and the
+memory it hands out) must outlive it. :class:`Outstanding` counts such calls,
+so their owner frees those things only once the calls have ended.
 """
 
 from __future__ import annotations
@@ -44,3 +48,42 @@ def bounded_call(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         if done.done() and done.exception() is not None:  # fn itself timed out
             raise
         raise TransferTimeout(f"{what} took over {timeout_s:.3g} s") from None
+
+
+class Outstanding:
+    """The calls of one owner that may still run after their caller stopped waiting
+    (:func:`bounded_call` abandoned them). Thread-safe.
+
+    Why: LMCache's engine, destroyed by its backend's ``close`` while an abandoned
+    retrieve was still copying out of the memory objects it had handed out,
+    crashed the process (SIGSEGV in the retrieve's copy, seen in CI)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+
+    def track(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn``, counted from now (in the caller's thread, so an owner that checks
+        after this call sees it) until it returns or raises, wherever it runs."""
+        with self._cond:
+            self._running += 1
+
+        def tracked() -> T:
+            try:
+                return fn()
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+        return tracked
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every tracked call to end; True if none runs."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running == 0, timeout_s)
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running

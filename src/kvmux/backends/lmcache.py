@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import os
 import socket
@@ -31,7 +32,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvmux.backend import Address, Backend, Health
 from kvmux.blocks import BlockCopier
-from kvmux.bounded import bounded_call
+from kvmux.bounded import Outstanding, bounded_call
 from kvmux.capabilities import Capabilities
 from kvmux.config import BackendConfig
 from kvmux.errors import NotRegisteredError, TransferError, TransferTimeout
@@ -39,6 +40,8 @@ from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.net.advertise import host_facing
+
+log = logging.getLogger(__name__)
 
 _SCHEMES = ("lm", "mooncakestore")
 
@@ -131,6 +134,9 @@ class LmcacheBackend(Backend):
             config.local_disk.mkdir(parents=True, exist_ok=True)
         self._instance = f"kvmux-{uuid.uuid4().hex[:12]}"
         self._engine: Any = None
+        self._retrieves = Outstanding()
+        """Retrieves under way, abandoned ones included: ``close`` destroys the engine
+        only once they ended."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -306,7 +312,7 @@ class LmcacheBackend(Backend):
         lmc_keys = self._lmc_keys(keys)
         try:
             return bounded_call(
-                lambda: self._retrieve(lmc_keys, block_ids),
+                self._retrieves.track(lambda: self._retrieve(lmc_keys, block_ids)),
                 deadline - time.monotonic(),
                 "LMCache retrieve",
             )
@@ -385,7 +391,18 @@ class LmcacheBackend(Backend):
         if self._engine is not None:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-            self._engine = None
+            self._engine = None  # no new retrieve starts (``_live_engine`` refuses)
+            # A retrieve abandoned at its deadline may still be copying out of the
+            # engine's memory objects: destroying the engine under it frees them.
+            if not self._retrieves.wait_idle(self.config.timeout_s):
+                log.warning(
+                    "kvmux lmcache: %d retrieve(s) still running %s s after close; "
+                    "LMCache's engine %s is left alive rather than freed under them",
+                    self._retrieves.running,
+                    self.config.timeout_s,
+                    self._instance,
+                )
+                return
             # Bounded: a remote client on a cut link would hold the caller's exit.
             with contextlib.suppress(TransferTimeout):
                 bounded_call(

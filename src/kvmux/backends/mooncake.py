@@ -137,6 +137,7 @@ class MooncakeTransport(PinnedTransport):
             runs.remote.tolist(),
             runs.nbytes.tolist(),
             timeout_s=until - time.monotonic(),
+            keep=self.copier.caches,
         )
 
     # ------------------------------------------------------------------ public

@@ -163,18 +163,24 @@ class MooncakeEngine:
         lengths: list[int],
         *,
         timeout_s: float,
+        keep: object = None,
     ) -> None:
         """One batch READ of ``remote[i]`` (the peer's memory) into ``local[i]``, both
         ``lengths[i]`` bytes, in TE calls of at most ``max_batch`` ranges. Returns once
         done; raises TransferError if TE reports a failure, TransferTimeout if it has
-        not answered within ``timeout_s``."""
+        not answered within ``timeout_s``.
+
+        ``keep`` (what owns the ``local`` memory, e.g. the KV tensors) is held until TE
+        returns, past the deadline too: TE knows the ranges only as addresses, and an
+        abandoned read that completes late must write into live memory, never into
+        memory freed (and reused by the allocator) meanwhile."""
         if timeout_s <= 0:
             raise TransferTimeout(f"no time left to read from {peer}")
         done: Future[int] = Future()
         abandoned = threading.Event()
         caller: list[int] = []
 
-        def call() -> None:
+        def call(owner: object) -> None:  # the thread holds ``owner`` while TE may write
             caller.append(threading.get_native_id())
             try:
                 rc, step = 0, self.max_batch
@@ -191,7 +197,7 @@ class MooncakeEngine:
                 done.set_exception(exc)
 
         # A fresh daemon thread per read: one stuck on a frozen peer blocks nobody else.
-        threading.Thread(target=call, name="kvmux-mooncake-read", daemon=True).start()
+        threading.Thread(target=call, args=(keep,), name="kvmux-mooncake-read", daemon=True).start()
         try:
             rc = done.result(timeout=timeout_s)
         except TimeoutError:
