@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ import torch
 pytest.importorskip("lmcache")
 
 from kvmux.backends.lmcache import LmcacheBackend
+from kvmux.connector import Connector
 from kvmux.errors import TransferError
-from kvmux.keys import chain_keys
+from kvmux.keys import BlockKey, chain_keys
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
@@ -286,28 +287,38 @@ def test_listing_shows_lmcache_available_here_and_the_hint_without_it(
     assert "lmcache==0.5.6" in reason and "pip install 'kvmux[lmcache]'" in reason
 
 
+def blocked_reads(
+    monkeypatch: pytest.MonkeyPatch, after_read: Callable[[], None] = lambda: None
+) -> tuple[Connector, list[BlockKey], threading.Event]:
+    """A registered connector (``timeout_s`` 1) holding four saved blocks, whose
+    LMCache reads block until the returned event is set, then run ``after_read``:
+    a remote over a cut link. The caller sets the event, then closes."""
+    conn = create_connector({"backend": "lmcache", **SMALL, "timeout_s": 1.0})
+    caches = make_caches(SEED, 4)
+    layout = make_layout(caches)
+    conn.register(layout, caches)
+    keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "hang")
+    assert conn.save(keys, list(range(4))).result(10).ok
+    storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
+    blocking, released = storage.batched_get, threading.Event()
+
+    def blocked_get(*args: Any, **kwargs: Any) -> Any:
+        released.wait(60)
+        got = blocking(*args, **kwargs)
+        after_read()
+        return got
+
+    monkeypatch.setattr(storage, "batched_get", blocked_get)
+    return conn, keys, released
+
+
 def test_a_retrieve_that_blocks_fails_every_block_at_the_deadline_not_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """LMCache's reads block (a remote over a cut link): the load ends at its
     deadline with every block failed, since the abandoned read may still write them."""
-    config = {"backend": "lmcache", **SMALL, "timeout_s": 1.0}
-    conn = create_connector(config)
-    caches = make_caches(SEED, 4)
-    layout = make_layout(caches)
-    conn.register(layout, caches)
-    released = threading.Event()
+    conn, keys, released = blocked_reads(monkeypatch)
     try:
-        keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "hang")
-        assert conn.save(keys, list(range(4))).result(10).ok
-        storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
-        blocking = storage.batched_get
-
-        def hanging_get(*args: Any, **kwargs: Any) -> Any:
-            released.wait(60)
-            return blocking(*args, **kwargs)
-
-        monkeypatch.setattr(storage, "batched_get", hanging_get)
         started = time.monotonic()
         result = conn.load(keys, list(range(4))).result(10)
         took = time.monotonic() - started
@@ -326,32 +337,19 @@ def test_close_destroys_the_engine_only_after_an_abandoned_retrieve_ended(
     SIGSEGV in the copy, seen in CI). ``close`` waits for it, within ``timeout_s``."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-    config = {"backend": "lmcache", **SMALL, "timeout_s": 1.0}
-    conn = create_connector(config)
-    caches = make_caches(SEED, 4)
-    layout = make_layout(caches)
-    conn.register(layout, caches)
     events: list[str] = []
-    released = threading.Event()
-    keys = chain_keys(list(range(4 * layout.block_size)), layout.block_size, "late")
-    assert conn.save(keys, list(range(4))).result(10).ok
-    storage = conn.backend._engine.storage_manager  # type: ignore[attr-defined]
-    blocking = storage.batched_get
 
-    def late_get(*args: Any, **kwargs: Any) -> Any:
-        released.wait(60)
-        got = blocking(*args, **kwargs)
-        time.sleep(0.2)  # the copy out of what it returned comes after this
+    def read_then_linger() -> None:  # the copy out of what it read comes after this
+        time.sleep(0.2)
         events.append("retrieve read")
-        return got
 
+    conn, keys, released = blocked_reads(monkeypatch, read_then_linger)
     destroy = LMCacheEngineBuilder.destroy
 
     def recorded(instance_id: str) -> None:
         events.append("destroy")
         destroy(instance_id)
 
-    monkeypatch.setattr(storage, "batched_get", late_get)
     monkeypatch.setattr(LMCacheEngineBuilder, "destroy", recorded)
     try:
         result = conn.load(keys, list(range(4))).result(10)
