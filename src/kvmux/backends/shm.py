@@ -45,7 +45,7 @@ from kvmux.net.server import Handler, Session
 from kvmux.net.shm_messages import LocateReply
 from kvmux.pool.config import PinnedPoolConfig
 from kvmux.pool.peer import PeerAddress
-from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.pinned import PinnedTransport, Rows, found_rows, outcomes_of
 from kvmux.pool.served import ServedPoolBackend
 from kvmux.pool.store import PoolStore
 from kvmux.pool.transport import Refusal
@@ -153,26 +153,19 @@ class ShmTransport(PinnedTransport):
             return super().pull(link, keys, block_ids, deadline)
         link.channel.send(PeekRequest.of(keys), deadline=deadline)
         reply = expect(link.channel.recv(deadline), LocateReply)
-        all_rows = reply.row_array()  # validated on receipt: each -1 or inside the pool
-        if len(all_rows) != len(keys):
-            raise TransferError(f"peek reply for {len(all_rows)} keys, asked {len(keys)}")
+        hit, rows = found_rows(reply, len(keys))
         if reply.versions is None:
             raise TransferError("peek reply without the rows' versions")
-        hit = all_rows >= 0
-        if not hit.any():
+        if not rows.size:
             return [MISSING] * len(keys)
-        if reply.block_nbytes != self.copier.block_nbytes:
-            raise TransferError(
-                f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
-            )
-        rows = all_rows[hit].astype(np.int64)
+        self.check_block_size(reply)
         source = self._mapping(link, reply)
         assert source.versions is not None  # the reply's versions_offset mapped them
         self.copier.copy_in(
             np.asarray(block_ids, dtype=np.int64)[hit].tolist(), source.pool, rows.tolist()
         )
         moved = source.versions[rows] != reply.version_array()[hit]
-        outcomes: list[Outcome] = [OK if h else MISSING for h in hit.tolist()]
+        outcomes = outcomes_of(hit, OK)
         if moved.any():
             self._again(link, keys, block_ids, np.flatnonzero(hit)[moved], outcomes, deadline)
         return outcomes

@@ -101,19 +101,12 @@ class PinnedTransport(PullTransport):
         asked = time.monotonic()
         link.channel.send(LocateRequest.of(keys), deadline=deadline)
         reply = expect(link.channel.recv(deadline), self.reply_type)
-        all_rows = reply.row_array()  # validated on receipt: each -1 or inside the pool
-        if len(all_rows) != len(keys):
-            raise TransferError(f"locate reply for {len(all_rows)} keys, asked {len(keys)}")
-        hit = all_rows >= 0
-        rows = all_rows[hit].astype(np.int64)
+        hit, rows = found_rows(reply, len(keys))
         if not rows.size:
             return [MISSING] * len(keys)
         blocks = np.asarray(block_ids, dtype=np.int64)[hit]
         try:
-            if reply.block_nbytes != self.copier.block_nbytes:
-                raise TransferError(
-                    f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
-                )
+            self.check_block_size(reply)
             self.move(link, reply, blocks, rows, min(deadline, asked + reply.lease_s))
         finally:
             # One-way, no reply awaited. A courtesy: a producer that is gone (or drops
@@ -125,15 +118,33 @@ class PinnedTransport(PullTransport):
             late = failed(
                 f"the move outlasted the producer's {reply.lease_s} s lease; bytes unsure"
             )
-            return _outcomes(hit, late)
-        return _outcomes(hit, OK)
+            return outcomes_of(hit, late)
+        return outcomes_of(hit, OK)
+
+    def check_block_size(self, reply: PinReply) -> None:
+        """TransferError unless the peer's blocks are the size of ours."""
+        if reply.block_nbytes != self.copier.block_nbytes:
+            raise TransferError(
+                f"peer's blocks are {reply.block_nbytes} bytes, ours {self.copier.block_nbytes}"
+            )
 
     @abstractmethod
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
 
 
-def _outcomes(hit: npt.NDArray[np.bool_], found: Outcome) -> list[Outcome]:
+def found_rows(reply: PinReply, asked: int) -> tuple[npt.NDArray[np.bool_], Rows]:
+    """Which of the ``asked`` keys the producer holds, and their pool rows (validated
+    on receipt: each inside the pool); TransferError if the reply answers another
+    number of keys."""
+    all_rows = reply.row_array()
+    if len(all_rows) != asked:
+        raise TransferError(f"the producer answered for {len(all_rows)} keys, asked {asked}")
+    hit = all_rows >= 0
+    return hit, all_rows[hit].astype(np.int64)
+
+
+def outcomes_of(hit: npt.NDArray[np.bool_], found: Outcome) -> list[Outcome]:
     """``found`` for each requested key the producer had, MISSING for the others."""
     if hit.all():
         return [found] * len(hit)
