@@ -216,6 +216,49 @@ def test_a_frame_that_stalls_midway_times_out_and_breaks_the_stream(
     assert right.broken
 
 
+class _CountingSocket(socket.socket):
+    """A socket that counts its ``setsockopt`` calls."""
+
+    setsockopts = 0
+
+    def setsockopt(self, *args: object) -> None:  # type: ignore[override]
+        self.setsockopts += 1
+        super().setsockopt(*args)  # type: ignore[arg-type]
+
+
+def test_a_busy_connection_does_not_set_its_kernel_timeouts_at_every_request() -> None:
+    a, b = socket.socketpair()
+    counted = _CountingSocket(fileno=a.detach())
+    client, server = Channel(counted, PEER_PROTOCOL, LIMITS), Channel(b, PEER_PROTOCOL, LIMITS)
+    try:
+        for count in range(50):  # each request with a fresh deadline, as loads have
+            client.send(LookupReply(count=count), deadline=soon(10))
+            server.send(expect(server.recv(soon(10)), LookupReply), deadline=soon(10))
+            assert client.recv(soon(10)) == LookupReply(count=count)
+        assert counted.setsockopts <= 4, f"{counted.setsockopts} setsockopt calls in 50 requests"
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("first_s", [0.3, 5.0], ids=["shorter-before", "longer-before"])
+def test_a_receive_ends_at_its_deadline_whatever_timeout_the_last_one_had(
+    pair: tuple[Channel, Channel], first_s: float
+) -> None:
+    """Never before the deadline (the kernel's timeout is never shorter than the time
+    left), and only a little after (at most 1% of it, kept for the next requests)."""
+    left, right = pair
+    left.send(LookupReply(count=1), deadline=soon())
+    assert right.recv(soon(first_s)) == LookupReply(count=1)
+    for wait_s in (0.25, 0.5):
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            right.recv(start + wait_s)
+        took = time.monotonic() - start
+        assert wait_s <= took < wait_s + 0.2, f"a {wait_s} s receive ended after {took:.3f} s"
+        assert not right.broken
+
+
 def test_a_header_larger_than_the_senders_limit_is_not_sent(
     pair: tuple[Channel, Channel],
 ) -> None:

@@ -22,7 +22,14 @@ from kvmux.handle import Status
 from kvmux.layout import KVLayout
 from kvmux.net.frames import MAGIC, Channel, Limits
 from kvmux.net.handshake import join_handshake, serve_handshake
-from kvmux.net.messages import PEER_PROTOCOL, Blocks, FetchReply, FetchRequest, expect
+from kvmux.net.messages import (
+    PEER_PROTOCOL,
+    Blocks,
+    Error,
+    FetchReply,
+    FetchRequest,
+    expect,
+)
 from kvmux.registry import create_connector
 from kvmux.testing import cross_process
 from kvmux.testing.cross_process import Consumer, CrossProcessTests, statuses
@@ -393,6 +400,29 @@ def test_stalled_connections_cost_the_server_little_memory(stage: str) -> None:
                 sock.close()
     print(f"\nRSS growth under {STALLED} stalled connections ({stage}): {growth:.1f} MB")
     assert growth < RSS_BOUND_MB, f"{growth:.1f} MB for {STALLED} stalled connections"
+
+
+def test_a_client_without_a_layout_is_refused_blocks_at_every_request() -> None:
+    """The producer works the refusal out once per connection, and still says it
+    each time: no later request of that connection gets blocks."""
+    caches = make_caches(SEED, 2)
+    producer = create_connector(CONFIG)
+    try:
+        producer.register(make_layout(caches), caches)
+        assert producer.save(make_keys(2), [0, 1]).result(5).ok
+        address = producer.address()
+        assert address is not None
+        with socket.create_connection((address["host"], address["port"]), timeout=5) as sock:
+            chan = Channel(sock, PEER_PROTOCOL, Limits(2**20, 2**26))
+            deadline = time.monotonic() + 5
+            join_handshake(chan, service="tcp", layout=None, secret=None, deadline=deadline)
+            for _ in range(3):
+                chan.send(FetchRequest.of(make_keys(2)), deadline=deadline)
+                reply = chan.recv(deadline)
+                assert isinstance(reply, Error) and reply.code == "layout_mismatch", reply
+                assert "no KV layout" in reply.message
+    finally:
+        producer.close()
 
 
 def test_idle_links_are_closed_and_the_consumer_reconnects_on_its_own() -> None:

@@ -82,6 +82,11 @@ class Session:
         """Largest frame both sides accept."""
         self.leases: set[int] = set()
         """Pins this client holds (shm); the server ends them when the connection goes."""
+        self.refusal: Error | None = None
+        """Why this client may not receive blocks (None: it may), valid once
+        ``refusal_known``. Neither side's terms change while the connection lives,
+        so the server works it out at the first request for blocks, not at each."""
+        self.refusal_known = False
 
     def send(
         self, msg: Message, payload: Sequence[memoryview] = (), *, deadline: float | None = None

@@ -64,8 +64,17 @@ class PoolServer:
         return self._frames.alive
 
     def refused(self, session: Session) -> bool:
-        """Re-check the terms per request that sends blocks: a client that declared
-        no layout, or another one, must never receive them (told why)."""
+        """Check the terms at every request that sends blocks: a client that declared
+        no layout, or another one, must never receive them (told why, each time).
+        Worked out at the session's first such request and kept with it."""
+        if not session.refusal_known:
+            session.refusal, session.refusal_known = self._refusal(session), True
+        if session.refusal is None:
+            return False
+        session.send(session.refusal)
+        return True
+
+    def _refusal(self, session: Session) -> Error | None:
         mine, theirs = self._terms, session.peer
         refused = refusal(mine, Terms(theirs.layout, theirs.compat))
         if refused is None and theirs.layout is None and mine.layout is not None:
@@ -73,10 +82,7 @@ class PoolServer:
                 code="layout_mismatch",
                 message="the client registered no KV layout; it cannot receive blocks",
             )
-        if refused is None:
-            return False
-        session.send(refused)
-        return True
+        return refused
 
     def _serve_lookup(self, session: Session, req: LookupRequest) -> None:
         keys = req.block_keys()  # parsed before taking the lock saves wait on
