@@ -73,5 +73,10 @@ def test_a_p2p_one_block_load_is_also_timed_from_another_process() -> None:
     # one figure for the backend, on each of its rows
     (other,) = {r.load_us_other_process for r in records}
     assert other is not None and 0 < other < 1e6
+    (cpu,) = {r.load_cpu_us_other_process for r in records}
+    assert cpu is not None and 0 < cpu < 1e6
+    (floor,) = {r.round_trip_us for r in records}
+    assert floor is not None and 0 < floor < other  # a load is one round trip and more
     (local,) = bench_backend("cpu", one, repeats=1)
     assert local.load_us_other_process is None  # no peer to load from
+    assert local.load_cpu_us_other_process is None and local.round_trip_us is None

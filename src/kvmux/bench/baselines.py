@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import socket
+import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,3 +50,58 @@ def socket_seconds(nbytes: int) -> float:
             elapsed = time.perf_counter() - start
         sender.join()
     return elapsed
+
+
+_ECHO = """
+import socket, sys
+with socket.create_server(("127.0.0.1", 0)) as server:
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while data := conn.recv(4096):
+            conn.sendall(data)
+"""
+ROUND_TRIPS = 2000
+
+
+def round_trip_seconds(trips: int = ROUND_TRIPS) -> float:
+    """Median seconds of a 64-byte ping-pong over loopback TCP with a process that
+    echoes it: the least one request and its reply between two processes cost on
+    this machine (mostly waking the sleeping side), under any protocol."""
+    echo = subprocess.Popen(
+        [sys.executable, "-c", _ECHO], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+    )
+    try:
+        assert echo.stdout is not None
+        port = int(echo.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ping, times = b"x" * 64, []
+            for _ in range(trips + 100):
+                start = time.perf_counter()
+                sock.sendall(ping)
+                got = 0
+                while got < len(ping):
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        raise ConnectionError("the echo process closed the connection")
+                    got += len(chunk)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times[100:])
+    finally:
+        echo.kill()  # by PID; it only echoes
+        echo.wait()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds every thread of process ``pid`` has run (Linux's per-thread
+    ``schedstat``, in nanoseconds: the tick-counted ``stat`` is too coarse for a
+    few hundred loads)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9

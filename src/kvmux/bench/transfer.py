@@ -8,13 +8,19 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
-from kvmux.bench.baselines import memcpy_seconds, socket_seconds
+from kvmux.bench.baselines import (
+    memcpy_seconds,
+    process_cpu_seconds,
+    round_trip_seconds,
+    socket_seconds,
+)
 from kvmux.bench.shapes import Shape
 from kvmux.config import invent_paths
 from kvmux.connector import Connector
@@ -44,7 +50,14 @@ class BenchRecord(BaseModel):
     per batch (the figure that matters for the one-block shape)."""
     load_us_other_process: float | None = None
     """One-block shape, P2P backends: median microseconds of a one-block load from a
-    producer in another process (:func:`load_us_from_another_process`)."""
+    producer in another process (:func:`load_from_another_process`)."""
+    load_cpu_us_other_process: float | None = None
+    """The same loads' CPU time, consumer's and producer's processes together, in
+    microseconds per load: kvmux's own work, which a machine slow to wake a
+    sleeping process hides in the wall-clock figure."""
+    round_trip_us: float | None = None
+    """The floor under the wall-clock figure: median microseconds of a 64-byte
+    ping-pong over loopback TCP between two processes, measured right after."""
     config: dict[str, Any] | None = None
     """Config fields given beyond the backend's defaults (``kvmux bench --config``)."""
     error: str | None = None
@@ -152,7 +165,7 @@ def _bench_records(
         save_s, load_s, p2p = _save_load_seconds(name, shape, repeats, config, measure_baselines)
         other_process = None
         if p2p and shape.blocks == 1:
-            other_process = round(load_us_from_another_process(name, shape, config), 1)
+            other_process = load_from_another_process(name, shape, config)
     except Exception as exc:  # a broken backend is a row, not a crash
         if not base_times[baselines[0]]:
             measure_baselines()
@@ -185,7 +198,7 @@ def _bench_records(
                 load_gbps=round(shape.nbytes / load_s / 1e9, 3),
                 ratio=round(gbps / base_gbps, 3),
                 added_us=round((save_s + load_s - statistics.median(base_times[b])) * 1e6, 1),
-                load_us_other_process=other_process,
+                **(other_process.fields() if other_process is not None else {}),
             )
         )
     return records
@@ -234,12 +247,29 @@ ONE_BLOCK_LOADS = 300
 """Timed one-block loads from a producer in another process (after 30 to warm up)."""
 
 
-def load_us_from_another_process(
+@dataclass(frozen=True)
+class OtherProcessLoad:
+    """One-block loads from a producer in another process, and the floor under them."""
+
+    wall_us: float
+    cpu_us: float
+    round_trip_us: float
+
+    def fields(self) -> dict[str, float]:
+        return {
+            "load_us_other_process": round(self.wall_us, 1),
+            "load_cpu_us_other_process": round(self.cpu_us, 1),
+            "round_trip_us": round(self.round_trip_us, 1),
+        }
+
+
+def load_from_another_process(
     name: str, shape: Shape, given: Mapping[str, Any], loads: int = ONE_BLOCK_LOADS
-) -> float:
+) -> OtherProcessLoad:
     """Median microseconds of a one-block load of ``shape``'s block (eight 32 KiB
     layers) from a producer in another process (:mod:`kvmux.testing.peer`), over a
-    warm connection, the bytes checked.
+    warm connection, the bytes checked; the CPU both processes spent per load; and a
+    loopback round trip between two processes (:func:`round_trip_seconds`).
 
     What a decode instance waits per one-block batch in P/D, where producer and
     consumer never share a process. The main figures run both in this process, where
@@ -256,14 +286,17 @@ def load_us_from_another_process(
             consumer = create_connector(config)
             try:
                 consumer.register(make_layout(caches), caches)
-                times = []
+                times, cpu_start = [], 0.0
                 for i in range(30 + loads):
+                    if i == 30:
+                        cpu_start = time.process_time() + process_cpu_seconds(peer.pid)
                     key = i % blocks
                     start = time.perf_counter()
                     result = consumer.load(peer.keys[key : key + 1], [key], peer.address).result()
                     times.append(time.perf_counter() - start)
                     if not result.ok:
                         raise RuntimeError(f"one-block load failed: {result.outcomes[0].reason}")
+                cpu = time.process_time() + process_cpu_seconds(peer.pid) - cpu_start
             finally:
                 consumer.close()
     if not torch.equal(
@@ -271,7 +304,11 @@ def load_us_from_another_process(
         block_bytes(make_caches(seed, blocks, layout), range(blocks)),
     ):
         raise RuntimeError("a block from the other process arrived corrupted")
-    return statistics.median(times[30:]) * 1e6
+    return OtherProcessLoad(
+        wall_us=statistics.median(times[30:]) * 1e6,
+        cpu_us=cpu / loads * 1e6,
+        round_trip_us=round_trip_seconds() * 1e6,
+    )
 
 
 @contextmanager

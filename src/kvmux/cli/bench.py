@@ -302,6 +302,8 @@ def _table(records: Sequence[BenchRecord]) -> str:
     for rec in other:
         lines.append(
             f"{rec.backend}: a one-block load from a producer in another process takes "
-            f"{rec.load_us_other_process:.0f} us (median)"
+            f"{rec.load_us_other_process:.0f} us (median), "
+            f"{rec.load_cpu_us_other_process:.0f} us of CPU in the two processes; "
+            f"a loopback round trip between two processes, {rec.round_trip_us:.0f} us"
         )
     return "\n".join(lines)
