@@ -305,10 +305,25 @@ def test_a_segment_name_cannot_point_outside_the_shared_memory_directory() -> No
     assert locate_reply(segment="kvmux-1-0123456789abcdef").segment
 
 
+@pytest.mark.parametrize("count", [1, 15, 16, 300], ids=lambda n: f"{n}-rows")
 @pytest.mark.parametrize("row", [4, -2])
-def test_locate_rows_must_lie_inside_the_pool(row: int) -> None:
+def test_locate_rows_must_lie_inside_the_pool(row: int, count: int) -> None:
+    """Whatever the number of rows (a few are checked one by one, many at once)."""
+    inside = [i % 4 for i in range(count - 1)]
     with pytest.raises(ValidationError, match="outside the pool"):
-        locate_reply(rows=struct.pack("<i", row))
+        locate_reply(rows=pack_rows([*inside[: count // 2], row, *inside[count // 2 :]]))
+    assert locate_reply(rows=pack_rows([*inside, -1])).row_bounds() == (
+        -1,
+        max(inside, default=-1),
+    )
+
+
+@pytest.mark.parametrize("count", [1, 300], ids=lambda n: f"{n}-rows")
+def test_rows_without_a_segment_are_refused_only_if_one_is_found(count: int) -> None:
+    missing = pack_rows([-1] * count)
+    assert locate_reply(segment=None, token=None, rows=missing).row_bounds() == (-1, -1)
+    with pytest.raises(ValidationError, match="without a segment"):
+        locate_reply(segment=None, token=None, rows=pack_rows([-1] * count + [2]))
 
 
 def test_locate_rows_cross_the_wire_as_int32s(pair: tuple[Channel, Channel]) -> None:

@@ -38,7 +38,7 @@ class LocateReply(PinReply):
 
     @model_validator(mode="after")
     def _segment_if_found(self) -> Self:
-        if (self.row_array() >= 0).any() and (self.segment is None or self.token is None):
+        if self.row_bounds()[1] >= 0 and (self.segment is None or self.token is None):
             raise ValueError("rows without a segment to read them from")
         if self.versions_offset is not None and self.versions_offset % 8:
             raise ValueError("versions_offset is not 8-byte aligned")
