@@ -87,6 +87,48 @@ def test_ranges_move_exactly_the_bytes_block_copier_copies(
         assert torch.equal(tensor.view(torch.uint8), expected[name].view(torch.uint8))
 
 
+def _reference_runs(
+    addressing: BlockAddressing, blocks: list[int], rows: list[int], row_base: int
+) -> list[tuple[int, int, int]]:
+    """(local, remote, nbytes) of every piece of every block, neighbours contiguous on
+    both sides merged: what ``runs`` must give, from ``pieces`` alone."""
+    merged: list[tuple[int, int, int]] = []
+    for block, row in zip(blocks, rows, strict=True):
+        for piece in addressing.pieces:
+            local = addressing.layers[piece.layer].base + piece.offset + block * piece.step
+            remote = row_base + row * addressing.block_nbytes + piece.row_offset
+            if merged and merged[-1][0] + merged[-1][2] == local:
+                last = merged[-1]
+                if last[1] + last[2] == remote:
+                    merged[-1] = (last[0], last[1], last[2] + piece.nbytes)
+                    continue
+            merged.append((local, remote, piece.nbytes))
+    return merged
+
+
+@pytest.mark.parametrize("count", [1, 2, SMALL_BATCH - 1, SMALL_BATCH, 40])
+@pytest.mark.parametrize("block_dim", [0, 1], ids=["block-major", "kv-split"])
+def test_a_few_blocks_and_many_give_the_same_ranges(count: int, block_dim: int) -> None:
+    """Below SMALL_BATCH blocks the ranges are walked in Python, above computed with
+    numpy: both must be the reference's, runs of consecutive blocks and rows
+    included."""
+    shape = (64, 2, 16, 2, 8) if block_dim == 0 else (2, 64, 16, 2, 8)
+    caches = {f"l{i}": torch.zeros(shape, dtype=torch.float16) for i in range(2)}
+    addressing = _addressing(caches, block_dim)
+    gen = torch.Generator().manual_seed(count)
+    blocks = torch.randperm(64, generator=gen)[:count].tolist()
+    blocks[: count // 2] = sorted(blocks[: count // 2])  # some runs of consecutive ids
+    rows = list(range(100, 100 + count))
+    for ids in (blocks, np.array(blocks, dtype=np.int64)):
+        runs = addressing.runs(ids, rows, row_base=1 << 30)
+        got = list(
+            zip(runs.local.tolist(), runs.remote.tolist(), runs.nbytes.tolist(), strict=True)
+        )
+        assert got == _reference_runs(addressing, blocks, rows, 1 << 30)
+        assert runs.device.tolist() == [0] * len(got)
+        assert runs.local.dtype == runs.nbytes.dtype == np.uint64
+
+
 def test_pieces_follow_layer_order_with_each_layer_at_its_row_offset() -> None:
     caches = make_caches(num_blocks=4, layers=3)
     addressing = _addressing(caches)

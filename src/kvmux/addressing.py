@@ -110,6 +110,17 @@ class BlockAddressing:
         self._length = np.array([p.nbytes for p in self.pieces], dtype=np.uint64)
         self._row_offset = np.array([p.row_offset for p in self.pieces], dtype=np.uint64)
         self._device = np.array([layers[p.layer].device for p in self.pieces], dtype=np.uint64)
+        self._piece_table = tuple(
+            (
+                layers[p.layer].base + p.offset,
+                p.step,
+                p.nbytes,
+                p.row_offset,
+                layers[p.layer].device,
+            )
+            for p in self.pieces
+        )
+        """The same per piece, as Python ints, for ``_few_runs``."""
 
     @classmethod
     def of(cls, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> BlockAddressing | None:
@@ -141,6 +152,8 @@ class BlockAddressing:
         """Every piece of ``blocks[i]`` paired with its place in row ``rows[i]`` of a
         pool of ``block_nbytes``-wide rows at address ``row_base``, block by block,
         ranges contiguous on both sides merged into one."""
+        if len(blocks) < SMALL_BATCH:
+            return self._few_runs(blocks, rows, row_base)
         b = np.asarray(blocks, dtype=np.uint64)[:, None]
         r = np.asarray(rows, dtype=np.uint64)[:, None]
         local = (self._start + b * self._step).reshape(-1)
@@ -156,6 +169,32 @@ class BlockAddressing:
         if len(first) == len(local):
             return Runs(local, remote, np.ascontiguousarray(length), np.ascontiguousarray(device))
         return Runs(local[first], remote[first], np.add.reduceat(length, first), device[first])
+
+    def _few_runs(self, blocks: Ids, rows: Ids, row_base: int) -> Runs:
+        """:meth:`runs` of a few blocks, walked piece by piece in Python: the vector
+        version's dozen numpy calls cost a one-block READ ~35 µs of set-up, several
+        times the walk."""
+        local: list[int] = []
+        remote: list[int] = []
+        length: list[int] = []
+        device: list[int] = []
+        width = self.block_nbytes
+        for block, row in zip(_ints(blocks), _ints(rows), strict=True):
+            row_start = row_base + row * width
+            for start, step, nbytes, row_offset, dev in self._piece_table:
+                here, there = start + block * step, row_start + row_offset
+                if local and here == local[-1] + length[-1] and there == remote[-1] + length[-1]:
+                    length[-1] += nbytes
+                    continue
+                local.append(here)
+                remote.append(there)
+                length.append(nbytes)
+                device.append(dev)
+        return Runs(*(np.array(v, dtype=np.uint64) for v in (local, remote, length, device)))
+
+
+def _ints(ids: Ids) -> list[int]:
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
 def index_runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int]]:

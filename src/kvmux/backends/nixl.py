@@ -131,8 +131,10 @@ class NixlTransport(PinnedTransport):
         coalesced (:meth:`BlockAddressing.runs`)."""
         assert self._addressing is not None
         runs = self._addressing.runs(blocks, rows, base)
-        local = np.stack([runs.local, runs.nbytes, runs.device], axis=1)
-        remote = np.stack([runs.remote, runs.nbytes, np.zeros_like(runs.nbytes)], axis=1)
+        local = np.empty((len(runs), 3), dtype=np.uint64)  # (address, length, device)
+        local[:, 0], local[:, 1], local[:, 2] = runs.local, runs.nbytes, runs.device
+        remote = np.zeros_like(local)
+        remote[:, 0], remote[:, 1] = runs.remote, runs.nbytes
         return local, remote
 
     # ---------------------------------------------------------------- producer
