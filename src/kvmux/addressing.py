@@ -200,10 +200,8 @@ def _ints(ids: Ids) -> list[int]:
 def index_runs(block_ids: Ids, rows: Ids | None) -> Iterator[tuple[int, int, int]]:
     """(first block, first row, length) of each run where block id and row both
     advance by one (rows default to 0..n-1)."""
-    block_ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
-    if rows is None:
-        rows = range(len(block_ids))
-    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+    block_ids = _ints(block_ids)
+    rows = range(len(block_ids)) if rows is None else _ints(rows)
     if len(rows) != len(block_ids):
         raise ValueError(f"{len(block_ids)} block ids but {len(rows)} rows")
     i, n = 0, len(block_ids)
@@ -230,7 +228,7 @@ def row_runs(rows: Ids | None, n: int) -> list[tuple[int, int, int]]:
     if len(rows) != n:
         raise ValueError(f"{n} block ids but {len(rows)} rows")
     if n < SMALL_BATCH:
-        return _short_row_runs(rows.tolist() if isinstance(rows, np.ndarray) else list(rows))
+        return _short_row_runs(_ints(rows))
     r = np.asarray(rows, dtype=np.int64)
     starts = np.flatnonzero(np.diff(r) != 1) + 1
     firsts = [0, *starts.tolist()]

@@ -59,6 +59,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvmux.addressing import SMALL_BATCH
 from kvmux.compat import Compat
 from kvmux.errors import IncompatiblePeerError, LayoutError, ProtocolError, TransferError
 from kvmux.keys import BlockKey
@@ -75,8 +76,6 @@ MAX_KEYS_PER_REQUEST = 4096
 MAX_KEY_ID_CHARS = 512
 MAX_LEASES_PER_NOTICE = 1024
 """Publications named in one renew/release; longer lists are split by the client."""
-_FEW_ROWS = 16
-"""Below this many rows, a reply's checks read them as Python ints, not numpy."""
 HEADER_SLACK = 8192
 """Room left in a frame or header budget for everything but the key list or the
 payload (a header with its alignment padding is under a page and a half)."""
@@ -334,7 +333,7 @@ class PinReply(Message):
         count = len(self.rows) // 4
         if not count:
             return -1, -1
-        if count < _FEW_ROWS:
+        if count < SMALL_BATCH:
             few = struct.unpack(f"<{count}i", self.rows[: 4 * count])
             return min(few), max(few)
         rows = self.row_array()
