@@ -260,7 +260,8 @@ def test_a_row_rewritten_while_copied_is_copied_again_under_a_pin(
         result = consumer.load(keys, [0, 1, 2, 3], conn.address())
         assert result.ok and torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
         assert pinning_counted == [1], "only the rewritten key is located, and pinned"
-        assert conn.stats()["pinned_blocks"] == 0  # and unpinned after
+        # and unpinned after: the unpin is one-way, the producer may not have read it yet
+        wait_until(lambda: conn.stats()["pinned_blocks"] == 0, timeout_s=P2P_GRACE_S)
     finally:
         consumer.connector.close()
 
