@@ -228,7 +228,12 @@ class _KeysRequest(Message):
 
 
 def _key_runs(keys: Sequence[BlockKey], digests: list[bytes]) -> list[tuple[str, int, int]]:
-    """Runs of consecutive keys sharing a namespace and a digest size (C-level grouping)."""
+    """Runs of consecutive keys sharing a namespace and a digest size (C-level grouping).
+    The usual batch, one run, is recognised from two sets: no tuple per key, so
+    a batch of thousands of keys also feeds the garbage collector nothing."""
+    namespaces, sizes = set(map(itemgetter(1), keys)), set(map(len, digests))
+    if len(namespaces) == 1 and len(sizes) == 1:
+        return [(namespaces.pop(), sizes.pop(), len(keys))]
     same = groupby(zip(map(itemgetter(1), keys), map(len, digests), strict=True))
     return [(ns, size, len(list(run))) for (ns, size), run in same]
 
