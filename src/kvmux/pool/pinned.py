@@ -50,10 +50,10 @@ class PinnedTransport(PullTransport):
         return {LocateRequest: serve_locate, Unpin: self.serve_unpin}
 
     def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        runs = req.digest_runs()
+        keys = req.block_keys()
         store = self.store
         with store.lock:
-            rows = self.find_rows(store.slots.stored_keys(runs))
+            rows = self.find_rows(keys)
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots
