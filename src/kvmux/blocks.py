@@ -176,16 +176,16 @@ class BlockCopier:
             raise IndexError(f"row out of range for {tensor.shape[0]} rows")
 
 
-def _as_words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both byte views as 8-byte words where both allow it (each piece, its offset
-    and every stride a multiple of 8). ``index_select`` copies element by
+def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The byte views as 8-byte words where every one allows it (each piece, its
+    offset and every stride a multiple of 8). ``index_select`` copies element by
     element: 32 KiB pieces gather at about memcpy's speed as words, half of it as
     bytes."""
-    for v in (src, dst):
+    for v in views:
         offsets = (v.size(-1), v.data_ptr(), v.storage_offset(), *v.stride()[:-1])
         if any(x % 8 for x in offsets):
-            return src, dst
-    return src.view(torch.int64), dst.view(torch.int64)
+            return views
+    return tuple(v.view(torch.int64) for v in views)
 
 
 def _gather(src: torch.Tensor, out: torch.Tensor, idx: torch.Tensor) -> None:
