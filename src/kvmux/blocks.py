@@ -115,10 +115,8 @@ class BlockCopier:
         """Runs of consecutive rows move with one vectorized call per layer (a
         gather for ``to_rows``, a numpy scatter otherwise: torch's scatter,
         ``index_copy_``, is several times slower); short runs use ``memmove``.
-        Big batches are split across threads: these calls release the GIL, and a
-        scatter runs on one core while memcpy itself uses every core. (Gathers
-        are split too: one run in this thread would leave torch's OpenMP threads
-        spinning on the cores the scatters of the next load need.)"""
+        Big batches are split across threads: these calls release the GIL but
+        run single-threaded, while memcpy itself uses every core."""
         assert self._host is not None
         if len(block_ids) == 1:  # one block: its pieces, with no run finding
             row = 0 if rows is None else int(rows[0])
@@ -137,7 +135,7 @@ class BlockCopier:
                 flat = run[:, off : off + nbytes].view(n, layer.pieces, layer.piece_nbytes)
                 flat = flat.transpose(0, 1)
                 if to_rows:
-                    tasks.append(partial(_gather, *_as_words(kv, flat), idx))
+                    tasks.append(partial(_gather, kv, idx, flat))
                 else:
                     tasks.append(partial(_scatter, kv.numpy(), idx.numpy(), flat.numpy()))
         _run_split(tasks, len(block_ids) * self.block_nbytes)
@@ -176,19 +174,7 @@ class BlockCopier:
             raise IndexError(f"row out of range for {tensor.shape[0]} rows")
 
 
-def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The byte views as 8-byte words where every one allows it (each piece, its
-    offset and every stride a multiple of 8). ``index_select`` copies element by
-    element: 32 KiB pieces gather at about memcpy's speed as words, half of it as
-    bytes."""
-    for v in views:
-        offsets = (v.size(-1), v.data_ptr(), v.storage_offset(), *v.stride()[:-1])
-        if any(x % 8 for x in offsets):
-            return views
-    return tuple(v.view(torch.int64) for v in views)
-
-
-def _gather(src: torch.Tensor, out: torch.Tensor, idx: torch.Tensor) -> None:
+def _gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     torch.index_select(src, 1, idx, out=out)
 
 
