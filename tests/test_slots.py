@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvmux.keys import BlockKey
-from kvmux.slots import PinnedSlots, SlotPool
+from kvmux.slots import UNSTORED, PinnedSlots, SlotPool
 
 
 def keys(n: int, tag: str = "") -> list[BlockKey]:
@@ -101,11 +101,12 @@ def state(table: PinnedSlots) -> list[tuple[BlockKey, int]]:
     return list(table._lru._where.items())
 
 
+@pytest.mark.parametrize("by_digest", [False, True], ids=["no-digest-index", "digest-index"])
 @pytest.mark.parametrize("seed", range(20))
-def test_batches_match_the_per_key_algorithm(seed: int) -> None:
+def test_batches_match_the_per_key_algorithm(seed: int, by_digest: bool) -> None:
     rng = random.Random(seed)
     size = rng.randint(1, 12)
-    table, model = PinnedSlots(size), Model(size)
+    table, model = PinnedSlots(size, by_digest=by_digest), Model(size)
     universe = keys(30, f"s{seed}-")
     leases: list[tuple[int, list[int]]] = []
     for _ in range(60):
@@ -136,6 +137,12 @@ def test_batches_match_the_per_key_algorithm(seed: int) -> None:
         pinned = {s for s, n in model.pins.items() if n > 0}
         assert table.pinned == len(pinned)
         assert len({s for _, s in state(table)}) == len(state(table)) <= size  # capacity
+        answer = table.stored_keys([("t", [k.digest for k in universe])])
+        assert [k in table._lru for k in answer] == [k in model.where for k in universe]
+        if by_digest:  # the stored keys themselves, and no key built for the others
+            assert answer == [k if k in model.where else UNSTORED for k in universe]
+        else:
+            assert answer == universe
 
 
 def test_a_batch_never_evicts_pinned_slots_and_evicts_oldest_first() -> None:
@@ -248,3 +255,30 @@ def test_slot_pool_allocate_many_uses_free_then_unused_then_lru() -> None:
     assert pool.allocate_many([d, e], set()) == [1, 3]
     assert pool.allocate_many([f], {0}) == [2]  # a (slot 0) is protected; c goes
     assert pool.evictions == 1 and c not in pool
+
+
+def test_digests_find_the_stored_keys_themselves_per_namespace() -> None:
+    table = PinnedSlots(8, by_digest=True)
+    a, b = BlockKey(b"same", "model-a"), BlockKey(b"same", "model-b")
+    table.allocate_many([a], set())
+    found = table.stored_keys([("model-a", [b"same", b"other"]), ("model-b", [b"same"])])
+    assert found == [a, UNSTORED, UNSTORED]
+    assert found[0] is a, "the stored key itself: no key is built per digest"
+    table.allocate_many([b], set())
+    assert table.stored_keys([("model-b", [b"same"])])[0] is b
+    table.release(a)
+    assert table.stored_keys([("model-a", [b"same"])]) == [UNSTORED]
+    assert table.find(UNSTORED) is None and table.prefix([UNSTORED]) == 0
+    assert table.find_many([UNSTORED, b]).tolist() == [-1, table.find(b)]
+
+
+def test_a_digest_released_while_pinned_is_found_but_answered_absent() -> None:
+    table = PinnedSlots(4, by_digest=True)
+    key = BlockKey(b"d", "t")
+    (slot,) = table.allocate_many([key], set())
+    table.pin([slot])
+    table.release(key)
+    stored = table.stored_keys([("t", [b"d"])])
+    assert stored == [key] and table.find_many(stored).tolist() == [-1]
+    table.unpin([slot])
+    assert table.stored_keys([("t", [b"d"])]) == [UNSTORED]

@@ -41,15 +41,12 @@ class BlockKey(_KeyFields):
         return super().__new__(cls, digest, namespace)
 
     @classmethod
-    def unchecked_batch(cls, digests: bytes | memoryview, size: int, namespace: str) -> list[Self]:
-        """The keys whose ``size``-byte digests lie back to back in ``digests``, all in
-        ``namespace``, built without ``__new__``'s checks: for fields already
-        validated as a whole (:mod:`kvmux.net.messages` checks a request of
-        thousands of keys once). numpy slices the digests and ``map`` builds the
-        tuples, so no Python code runs per key: a producer parses a batch of
-        4096 keys on the path of every load, and this halves that."""
-        parts = np.frombuffer(digests, dtype=f"V{size}").tolist()
-        return list(map(tuple.__new__, repeat(cls), zip(parts, repeat(namespace))))
+    def unchecked_batch(cls, digests: list[bytes], namespace: str) -> list[Self]:
+        """The keys of these ``digests``, all in ``namespace``, built without
+        ``__new__``'s checks: for fields already validated as a whole
+        (:mod:`kvmux.net.messages` checks a request of thousands of keys once).
+        ``map`` builds the tuples, so no Python code runs per key."""
+        return list(map(tuple.__new__, repeat(cls), zip(digests, repeat(namespace))))
 
     @property
     def id(self) -> str:

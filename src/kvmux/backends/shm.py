@@ -105,10 +105,10 @@ class ShmTransport(PinnedTransport):
         return {**super().handlers(refused), PeekRequest: serve_peek}
 
     def _serve_peek(self, session: Session, req: PeekRequest) -> None:
-        keys = req.block_keys()
+        runs = req.digest_runs()
         store = self.store
         with store.lock:  # rows and versions read together: no save is half done
-            rows = self.find_rows(keys)
+            rows = self.find_rows(store.slots.stored_keys(runs))
             versions = np.zeros(len(rows), dtype="<u8")
             if self._segment is not None and store.pool is not None:
                 hit = rows >= 0

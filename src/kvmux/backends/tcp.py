@@ -81,10 +81,11 @@ class TcpTransport(PullTransport):
         return {FetchRequest: serve_fetch}
 
     def _serve_fetch(self, session: Session, req: FetchRequest, deadline: float) -> None:
-        keys = req.block_keys()
+        runs = req.digest_runs()
         store = self.store
         with store.lock:
             pool = self._pool_bytes if store.pool is not None else None
+            keys = store.slots.stored_keys(runs)
             slots = [store.slots.find(key) if pool is not None else None for key in keys]
             found = [slot for slot in slots if slot is not None]
             store.slots.pin(found)

@@ -50,10 +50,10 @@ class PinnedTransport(PullTransport):
         return {LocateRequest: serve_locate, Unpin: self.serve_unpin}
 
     def _serve_locate(self, session: Session, req: LocateRequest) -> None:
-        keys = req.block_keys()
+        runs = req.digest_runs()
         store = self.store
         with store.lock:
-            rows = self.find_rows(keys)
+            rows = self.find_rows(store.slots.stored_keys(runs))
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots

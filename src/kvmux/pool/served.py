@@ -49,7 +49,7 @@ class ServedPoolBackend(Backend):
 
     def __init__(self, config: ServedPoolConfig) -> None:
         super().__init__(config)
-        self.store = PoolStore(config.capacity_bytes)
+        self.store = PoolStore(config.capacity_bytes, served=True)
         self.transport = self.transport_type(config, self.store)
         self.incarnation = secrets.token_hex(16)
         """This instance, told apart from one restarted on its port (:mod:`kvmux.pool.peer`)."""

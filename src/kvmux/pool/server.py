@@ -85,9 +85,9 @@ class PoolServer:
         return refused
 
     def _serve_lookup(self, session: Session, req: LookupRequest) -> None:
-        keys = req.block_keys()  # parsed before taking the lock saves wait on
+        runs = req.digest_runs()  # parsed before taking the lock saves wait on
         with self._store.lock:
-            count = self._store.slots.prefix(keys)
+            count = self._store.slots.prefix(self._store.slots.stored_keys(runs))
         session.send(LookupReply(count=count))
 
     def _serve_renew(self, session: Session, msg: Renew) -> None:

@@ -42,8 +42,11 @@ class PoolStore:
     """Slots of one pool tensor, keyed by :class:`BlockKey`. Thread-safe; ``lock``
     guards ``pool``, ``slots`` and the publications for whoever reads them too."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, served: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
+        self._served = served
+        """Whether peers' requests look keys up here: then the slots keep an index by
+        digest (``PinnedSlots.stored_keys``)."""
         self.lock = threading.Lock()
         self.pool: torch.Tensor | None = None
         """None until ``open`` and after ``close``: nothing to serve then."""
@@ -72,7 +75,7 @@ class PoolStore:
             self._copier = blocks
             self._before_overwrite = before_overwrite
             self.pool = pool
-            self.slots = PinnedSlots(slots)
+            self.slots = PinnedSlots(slots, by_digest=self._served)
             self._publications.clear()
 
     def lookup(self, keys: list[BlockKey]) -> int:
