@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, InvalidRequestError, LayoutError
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector
@@ -69,6 +70,29 @@ def test_registering_caches_that_differ_from_the_layout_is_refused(layout) -> No
     c = create_connector({"backend": "cpu"})
     with pytest.raises(LayoutError, match="bfloat16"):
         c.register(layout, other)
+
+
+def test_a_save_whose_copy_fails_stores_none_of_its_keys(caches, layout, monkeypatch) -> None:
+    # Slots are given to keys before the copy: a copy that raises must take them
+    # back, or the pool would serve rows holding part of a copy under those keys.
+    def broken_copy(*args, **kwargs):
+        raise RuntimeError("copy thread refused the write")
+
+    with _pool(layout, caches, 8) as pool:
+        ks = keys(4)
+        with monkeypatch.context() as patch:
+            patch.setattr(BlockCopier, "copy_out", broken_copy)
+            result = pool.save(ks, [0, 1, 2, 3]).result()
+        assert not result.ok
+        assert all("copy thread refused the write" in (o.reason or "") for _, o in result.not_ok)
+        assert len(result.not_ok) == 4
+        assert pool.lookup(ks) == 0
+        assert pool.stats()["blocks_stored"] == 0
+        assert pool.save(ks, [0, 1, 2, 3]).result().ok  # the same keys save cleanly later
+        expected = {n: t[0:4].clone() for n, t in caches.items()}
+        assert pool.load(ks, [10, 11, 12, 13]).result().ok
+        for name, t in caches.items():
+            assert torch.equal(t[10:14], expected[name])
 
 
 def test_release_frees_the_slot(caches, layout) -> None:

@@ -115,7 +115,8 @@ class PoolStore:
         Pinned slots and the slots written by this batch are protected, so a batch
         larger than the pool evicts its own oldest blocks last, never mid-copy
         (the slots placed so far are copied before they become fair game), and
-        never a slot a peer is reading."""
+        never a slot a peer is reading. A copy that raises takes its slots back
+        from its keys before the error goes on."""
         done = 0
         while done < len(keys):
             rows = self.slots.allocate_many(keys[done:], self.slots.protected())
@@ -123,7 +124,13 @@ class PoolStore:
                 break
             if self._before_overwrite is not None:
                 self._before_overwrite(rows)
-            copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
+            try:
+                copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
+            except BaseException:
+                # The rows hold part of a copy at best: their keys must not be found.
+                for key in keys[done : done + len(rows)]:
+                    self.slots.release(key)
+                raise
             done += len(rows)
         return done
 
