@@ -103,11 +103,18 @@ def test_layers_with_different_block_counts_are_invalid() -> None:
 
 @pytest.mark.parametrize("block_dim", [0, 1])
 @pytest.mark.parametrize("rows_kind", ["in-order", "runs", "scattered"])
-def test_fast_host_path_matches_plain_indexing(block_dim: int, rows_kind: str) -> None:
+@pytest.mark.parametrize(
+    "tokens_heads_dim",
+    [(8, 2, 4), (3, 1, 3)],
+    ids=["pieces-of-whole-words", "pieces-of-18-bytes"],
+)
+def test_fast_host_path_matches_plain_indexing(
+    block_dim: int, rows_kind: str, tokens_heads_dim: tuple[int, int, int]
+) -> None:
     gen = torch.Generator().manual_seed(block_dim)
-    shape = (40, 2, 8, 2, 4) if block_dim == 0 else (2, 40, 8, 2, 4)
+    shape = (40, 2, *tokens_heads_dim) if block_dim == 0 else (2, 40, *tokens_heads_dim)
     caches = {f"l{i}": torch.randn(shape, generator=gen).to(torch.bfloat16) for i in range(3)}
-    layout = KVLayout.from_caches(caches, 8, block_dim=block_dim)
+    layout = KVLayout.from_caches(caches, tokens_heads_dim[0], block_dim=block_dim)
     copier = BlockCopier(layout, caches)
     blocks = torch.randperm(40, generator=gen)[:20].tolist()
     rows = {
@@ -138,3 +145,32 @@ def test_fast_host_path_matches_plain_indexing(block_dim: int, rows_kind: str) -
             assert torch.equal(
                 t.select(block_dim, untouched), before[name].select(block_dim, untouched)
             )
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_a_batch_split_over_threads_copies_caches_made_in_inference_mode(
+    block_dim: int,
+) -> None:
+    # vLLM allocates its KV caches and runs the connector under torch.inference_mode,
+    # a thread-local mode: the copy threads run outside it, so a view made for them
+    # in the calling thread (an inference tensor) can no longer be written to.
+    # 8 blocks of 1 MiB: big enough for the copy to be split over threads.
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(block_dim)
+        shape = (16, 2, 16, 8, 128) if block_dim == 0 else (2, 16, 16, 8, 128)
+        caches = {f"l{i}": torch.randn(shape, generator=gen) for i in range(4)}
+        layout = KVLayout.from_caches(caches, 16, block_dim=block_dim)
+        copier = BlockCopier(layout, caches)
+        pool = torch.zeros(12, layout.block_nbytes, dtype=torch.uint8)
+        blocks, rows = list(range(3, 11)), list(range(2, 10))
+        copier.copy_out(blocks, pool, rows)
+        for block, row in zip(blocks, rows, strict=True):
+            expected = torch.cat(
+                [t.select(block_dim, block).reshape(-1).view(torch.uint8) for t in caches.values()]
+            )
+            assert torch.equal(pool[row], expected)
+        before = {n: t.clone() for n, t in caches.items()}
+        copier.copy_in([0, 1, 2, 11, 12, 13, 14, 15], pool, rows)
+        for name, t in caches.items():
+            for src, dst in zip(blocks, [0, 1, 2, 11, 12, 13, 14, 15], strict=True):
+                assert torch.equal(t.select(block_dim, dst), before[name].select(block_dim, src))
