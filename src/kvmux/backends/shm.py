@@ -108,7 +108,7 @@ class ShmTransport(PinnedTransport):
         runs = req.digest_runs()
         store = self.store
         with store.lock:  # rows and versions read together: no save is half done
-            rows = self.find_rows(store.slots.stored_keys(runs))
+            rows = store.find_rows(store.slots.stored_keys(runs))
             versions = np.zeros(len(rows), dtype="<u8")
             if self._segment is not None and store.pool is not None:
                 hit = rows >= 0

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from kvmux.addressing import row_runs
@@ -85,13 +86,13 @@ class TcpTransport(PullTransport):
         store = self.store
         with store.lock:
             pool = self._pool_bytes if store.pool is not None else None
-            keys = store.slots.stored_keys(runs)
-            slots = [store.slots.find(key) if pool is not None else None for key in keys]
-            found = [slot for slot in slots if slot is not None]
+            rows = store.find_rows(store.slots.stored_keys(runs))
+            hit = rows >= 0
+            found = rows[hit].tolist()
             store.slots.pin(found)
         try:
             nbytes = self.copier.block_nbytes if pool is not None else 0
-            hits = bytes([slot is not None for slot in slots])
+            hits = hit.astype(np.uint8).tobytes()
             session.send(FetchReply(found=hits, block_nbytes=nbytes), deadline=deadline)
             if pool is None:
                 return

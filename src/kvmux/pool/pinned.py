@@ -18,7 +18,6 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from kvmux.addressing import SMALL_BATCH
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
@@ -53,22 +52,12 @@ class PinnedTransport(PullTransport):
         runs = req.digest_runs()
         store = self.store
         with store.lock:
-            rows = self.find_rows(store.slots.stored_keys(runs))
+            rows = store.find_rows(store.slots.stored_keys(runs))
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots
         block_nbytes = self.copier.block_nbytes if store.pool is not None else 0
         session.send(self.locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
-
-    def find_rows(self, keys: list[BlockKey]) -> Rows:
-        """The pool row of each key, -1 where missing (all missing with no pool).
-        Caller holds the store's lock."""
-        store = self.store
-        if store.pool is None:
-            return np.full(len(keys), -1, dtype=np.int64)
-        if len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
-            return np.array(store.slots.find_few(keys), dtype=np.int64)
-        return store.slots.find_many(keys)
 
     def pin(self, rows: Rows, session: Session) -> int:
         """Pin ``rows`` for ``session``; the lease id the consumer ends. Caller holds

@@ -23,7 +23,7 @@ from kvmux.errors import CapacityError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.publications import Publications
-from kvmux.slots import PinnedSlots
+from kvmux.slots import PinnedSlots, SlotArray
 
 MakePool = Callable[[int, int], torch.Tensor]
 """``(slots, block_nbytes)`` -> the ``[slots, block_nbytes]`` uint8 pool tensor."""
@@ -81,6 +81,15 @@ class PoolStore:
     def lookup(self, keys: list[BlockKey]) -> int:
         with self.lock:
             return self.slots.prefix(keys)
+
+    def find_rows(self, keys: list[BlockKey]) -> SlotArray:
+        """The pool row of each key, -1 where missing (all missing with no pool):
+        what a producer serves a peer's request from. Caller holds ``lock``."""
+        if self.pool is None:
+            return np.full(len(keys), -1, dtype=np.int64)
+        if len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
+            return np.array(self.slots.find_few(keys), dtype=np.int64)
+        return self.slots.find_many(keys)
 
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
         pool, copier = self.pool, self._copier
