@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import pytest
 import torch
@@ -174,3 +175,38 @@ def test_a_batch_split_over_threads_copies_caches_made_in_inference_mode(
         for name, t in caches.items():
             for src, dst in zip(blocks, [0, 1, 2, 11, 12, 13, 14, 15], strict=True):
                 assert torch.equal(t.select(block_dim, dst), before[name].select(block_dim, src))
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["host-path", "torch-path"])
+def test_caches_made_in_inference_mode_are_copied_by_a_thread_outside_it(
+    contiguous: bool,
+) -> None:
+    # An engine may allocate its caches under torch.inference_mode (inference
+    # tensors) while our loads run on lane threads, outside the mode. Strided
+    # caches take the torch path, which writes through torch views.
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(3)
+        shape = (2, 16, 16, 8 if contiguous else 16, 64)
+        made = {f"l{i}": torch.randn(shape, generator=gen) for i in range(2)}
+        caches = made if contiguous else {n: t[:, :, :, ::2] for n, t in made.items()}
+        layout = KVLayout.from_caches(caches, 16, block_dim=1)
+        copier = BlockCopier(layout, caches)
+    assert all(t.is_inference() for t in caches.values())
+    rows = torch.zeros(8, layout.block_nbytes, dtype=torch.uint8)
+    before = {n: t.clone() for n, t in caches.items()}
+    errors: list[BaseException] = []
+
+    def copy_both_ways() -> None:
+        try:
+            copier.copy_out([3, 4, 5, 6, 9], rows)
+            copier.copy_in([10, 11, 12, 13, 0], rows)
+        except BaseException as exc:  # reported by the main thread's assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=copy_both_ways)
+    thread.start()
+    thread.join(timeout=30)
+    assert not errors, errors
+    for name, t in caches.items():
+        for src, dst in zip([3, 4, 5, 6, 9], [10, 11, 12, 13, 0], strict=True):
+            assert torch.equal(t[:, dst], before[name][:, src])

@@ -70,10 +70,13 @@ class BlockCopier:
         if self._host is not None and _host_rows(dst):
             self._host_copy(block_ids, dst, rows, to_rows=True)
             return
-        for block, row, n in index_runs(block_ids, rows):
-            for u8, bdim, off, nbytes in self._layers:
-                src = u8.narrow(bdim, block, n).movedim(bdim, 0)
-                dst[row : row + n, off : off + nbytes].view(src.shape).copy_(src)
+        # In inference mode whatever the calling thread's: caches an engine made under
+        # it are inference tensors, which a copy thread (outside it) may not write to.
+        with torch.inference_mode():
+            for block, row, n in index_runs(block_ids, rows):
+                for u8, bdim, off, nbytes in self._layers:
+                    src = u8.narrow(bdim, block, n).movedim(bdim, 0)
+                    dst[row : row + n, off : off + nbytes].view(src.shape).copy_(src)
 
     def copy_in(self, block_ids: Ids, src: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy ``src[rows[i]]`` into blocks ``block_ids`` (rows default to 0..n-1)."""
@@ -81,10 +84,11 @@ class BlockCopier:
         if self._host is not None and _host_rows(src):
             self._host_copy(block_ids, src, rows, to_rows=False)
             return
-        for block, row, n in index_runs(block_ids, rows):
-            for u8, bdim, off, nbytes in self._layers:
-                dst = u8.narrow(bdim, block, n).movedim(bdim, 0)
-                dst.copy_(src[row : row + n, off : off + nbytes].view(dst.shape))
+        with torch.inference_mode():  # as in copy_out
+            for block, row, n in index_runs(block_ids, rows):
+                for u8, bdim, off, nbytes in self._layers:
+                    dst = u8.narrow(bdim, block, n).movedim(bdim, 0)
+                    dst.copy_(src[row : row + n, off : off + nbytes].view(dst.shape))
 
     def gather(self, block_ids: Ids) -> torch.Tensor:
         """A new contiguous ``[len(block_ids), block_nbytes]`` tensor holding the blocks."""

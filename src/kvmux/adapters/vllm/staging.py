@@ -157,13 +157,14 @@ class StagedLoads:
         outcomes: list[Outcome],
     ) -> None:
         bd, hd = self._block_dim, self._heads_dim - (self._heads_dim > self._block_dim)
-        for part, stage, staged, _ in parts:
-            for name, cache in self._caches.items():
-                src = stage.caches[name]
-                for i, block_id in enumerate(block_ids):
-                    if outcomes[i].ok:
-                        into = cache.select(bd, block_id).narrow(hd, part.dst, part.count)
-                        into.copy_(src.select(bd, staged[i]).narrow(hd, part.src, part.count))
+        with torch.inference_mode():  # as BlockCopier's copies: caches may be inference tensors
+            for part, stage, staged, _ in parts:
+                for name, cache in self._caches.items():
+                    src = stage.caches[name]
+                    for i, block_id in enumerate(block_ids):
+                        if outcomes[i].ok:
+                            into = cache.select(bd, block_id).narrow(hd, part.dst, part.count)
+                            into.copy_(src.select(bd, staged[i]).narrow(hd, part.src, part.count))
 
     def connector_for(self, producer_size: int, producer_rank: int) -> Connector | None:
         """The staging connector that reads from that prefill rank (for its lease
