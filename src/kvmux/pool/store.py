@@ -131,9 +131,9 @@ class PoolStore:
             rows = self.slots.allocate_many(keys[done:], self.slots.protected())
             if not rows:
                 break
-            if self._before_overwrite is not None:
-                self._before_overwrite(rows)
             try:
+                if self._before_overwrite is not None:
+                    self._before_overwrite(rows)
                 copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
             except BaseException:
                 # The rows hold part of a copy at best: their keys must not be found.
