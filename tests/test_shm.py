@@ -3,6 +3,7 @@ consumers on this host copy straight out of it."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,12 @@ import torch
 from kvmux.backends import shm
 from kvmux.backends.shm import ShmBackend
 from kvmux.connector import Connector
+from kvmux.errors import InvalidRequestError
 from kvmux.keys import BlockKey
 from kvmux.net.client import PeerClient
 from kvmux.net.frames import Limits
 from kvmux.net.handshake import Terms
+from kvmux.net.local import HAS_ABSTRACT_SOCKETS, dial_unix
 from kvmux.net.messages import LocateRequest, expect
 from kvmux.net.segment import SHM_DIR
 from kvmux.net.shm_messages import LocateReply
@@ -131,6 +134,78 @@ def test_eviction_keeps_the_pool_within_capacity() -> None:
         assert torch.equal(consumer.blocks(range(4, 12)), block_bytes(caches, range(4, 12)))
         assert conn.stats()["pinned_blocks"] == 0  # the consumer unpinned
         consumer.connector.close()
+    finally:
+        conn.close()
+
+
+def _link_families(consumer: Consumer) -> list[socket.AddressFamily]:
+    """The address family of every link the consumer keeps to its peers."""
+    client = consumer.connector.backend.puller._client
+    return [link.channel.sock.family for links in client._idle.values() for link in links]
+
+
+@pytest.mark.skipif(not HAS_ABSTRACT_SOCKETS, reason="no abstract Unix sockets here")
+def test_a_consumer_on_this_host_pulls_over_the_producers_unix_socket() -> None:
+    caches = make_caches(SEED, 4)
+    conn = create_connector(CONFIG)
+    consumer = None
+    try:
+        conn.register(make_layout(caches), caches)
+        assert conn.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        address = conn.address()
+        assert address["unix"] == f"kvmux-shm-{conn.backend.incarnation}"
+        consumer = open_consumer(CONFIG, num_blocks=4)
+        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
+        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert _link_families(consumer) == [socket.AF_UNIX]
+    finally:
+        if consumer is not None:
+            consumer.connector.close()
+        conn.close()
+    assert dial_unix(address["unix"], 1.0) is None, "the socket closes with its connector"
+
+
+def test_a_unix_socket_that_does_not_answer_leaves_the_pull_to_tcp() -> None:
+    # A peer in another network namespace of this host, or one restarted since the
+    # address was taken: nothing answers at the name, and TCP still reaches it.
+    caches = make_caches(SEED, 4)
+    conn = create_connector(CONFIG)
+    consumer = None
+    try:
+        conn.register(make_layout(caches), caches)
+        assert conn.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
+        address = {**conn.address(), "unix": "kvmux-shm-" + "0" * 32}
+        consumer = open_consumer(CONFIG, num_blocks=4)
+        assert consumer.connector.lookup(make_keys(4), address) == 4
+        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
+        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert _link_families(consumer) == [socket.AF_INET]
+    finally:
+        if consumer is not None:
+            consumer.connector.close()
+        conn.close()
+
+
+def test_a_unix_name_that_is_not_a_kvmux_one_is_refused_as_an_address() -> None:
+    caches = make_caches(SEED, 4)
+    conn = create_connector(CONFIG)
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+        conn.register(make_layout(caches), caches)
+        address = {**conn.address(), "unix": "../../run/other.sock"}
+        with pytest.raises(InvalidRequestError, match="unix"):
+            consumer.connector.load(make_keys(1), [0], address)
+    finally:
+        consumer.connector.close()
+        conn.close()
+
+
+def test_a_tcp_producer_offers_no_unix_socket() -> None:
+    caches = make_caches(SEED, 4)
+    conn = create_connector({**CONFIG, "backend": "tcp"})
+    try:
+        conn.register(make_layout(caches), caches)
+        assert "unix" not in conn.address()
     finally:
         conn.close()
 

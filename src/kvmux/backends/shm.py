@@ -2,7 +2,8 @@
 copies straight out of it.
 
 The P/D default on one host. Bytes never cross a socket: the control channel
-(TCP on loopback, the same framing as ``tcp``) asks the producer where a
+(the same framing as ``tcp``, over the producer's abstract Unix socket, or TCP
+where that does not answer: :mod:`kvmux.net.local`) asks the producer where a
 batch of keys is; the consumer maps the segment once (cached per peer) and
 copies the rows into its blocks with one strided copy per run.
 
@@ -69,6 +70,7 @@ class ShmTransport(PinnedTransport):
 
     config: ShmConfig
     service = "shm"
+    same_host = True
     reply_type = LocateReply
 
     def __init__(self, config: ShmConfig, store: PoolStore) -> None:

@@ -28,6 +28,7 @@ from typing import TypeVar
 from kvmux.errors import ClosedError, PeerRestartedError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
 from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, join_handshake
+from kvmux.net.local import dial_unix
 from kvmux.net.messages import PEER_PROTOCOL, Service, check_service
 
 T = TypeVar("T")
@@ -74,11 +75,14 @@ class PeerClient:
         exchange: Callable[[Link], T],
         *,
         incarnation: str | None = None,
+        unix: str | None = None,
     ) -> T:
         """Run ``exchange`` on a link to ``peer``; the link returns to the cache only if
         ``exchange`` returned and left its channel in step. With ``incarnation``, a
-        peer that is another process than that one fails it with PeerRestartedError."""
-        link, reused = self._checkout(peer, deadline)
+        peer that is another process than that one fails it with PeerRestartedError.
+        With ``unix``, a new link dials that abstract Unix socket first (a peer on
+        this host, :mod:`kvmux.net.local`), then TCP."""
+        link, reused = self._checkout(peer, deadline, unix)
         received = link.channel.bytes_received
         try:
             return self._use(peer, link, exchange, incarnation)
@@ -90,7 +94,7 @@ class PeerClient:
         # A cached link the peer had closed (it restarted, or dropped idle links):
         # the others are likely stale too; one retry on a fresh connection.
         self.forget(peer)
-        link, _ = self._checkout(peer, deadline)
+        link, _ = self._checkout(peer, deadline, unix)
         return self._use(peer, link, exchange, incarnation)
 
     def _use(
@@ -133,7 +137,9 @@ class PeerClient:
         for link in links:
             link.channel.close()
 
-    def _checkout(self, peer: tuple[str, int], deadline: float) -> tuple[Link, bool]:
+    def _checkout(
+        self, peer: tuple[str, int], deadline: float, unix: str | None
+    ) -> tuple[Link, bool]:
         with self._lock:
             if self._closed:
                 raise ClosedError("connector is closed")
@@ -142,7 +148,7 @@ class PeerClient:
                 link = idle.pop()
                 self._busy.add(link)
                 return link, True
-        link = self._connect(peer, deadline)
+        link = self._connect(peer, deadline, unix)
         with self._lock:
             if self._closed:
                 link.channel.close()
@@ -164,12 +170,14 @@ class PeerClient:
             self._busy.discard(link)
         link.channel.close()
 
-    def _connect(self, peer: tuple[str, int], deadline: float) -> Link:
+    def _connect(self, peer: tuple[str, int], deadline: float, unix: str | None) -> Link:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout(f"no time left to connect to {peer[0]}:{peer[1]}")
+        sock = dial_unix(unix, left) if unix is not None else None
         try:
-            sock = socket.create_connection(peer, timeout=left)
+            if sock is None:
+                sock = socket.create_connection(peer, timeout=left)
         except TimeoutError:
             raise TransferTimeout(f"connecting to {peer[0]}:{peer[1]} timed out") from None
         except OSError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Any
 from kvmux.errors import KvmuxError, ProtocolError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
 from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, serve_handshake
+from kvmux.net.local import HAS_ABSTRACT_SOCKETS, listen_unix
 from kvmux.net.messages import PEER_PROTOCOL, Error, Message, Service, check_service
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,8 @@ class FrameServer:
 
     ``terms`` is asked at each handshake (the connector registers later than
     it starts listening); ``incarnation`` is announced in every hello;
-    ``on_close`` runs for every session that ends.
+    ``on_close`` runs for every session that ends. With ``unix_name``, peers on
+    this host may also connect to that abstract Unix socket.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class FrameServer:
         incarnation: str,
         handlers: dict[type[Message], Handler],
         on_close: Callable[[Session], None],
+        unix_name: str | None = None,
     ) -> None:
         self._service = check_service(service)
         self._limits = limits
@@ -148,8 +152,22 @@ class FrameServer:
         """Joined connections closed after ``idle_timeout_s`` without a request."""
         self._refusals_log = _Throttled()
         self._rejects_log = _Throttled()
-        self._listener = socket.create_server((host, port))
-        self.host, self.port = self._listener.getsockname()[:2]
+        listener = socket.create_server((host, port))
+        self.host, self.port = listener.getsockname()[:2]
+        self._listeners = [listener]
+        self.unix_name: str | None = None
+        """The abstract Unix socket name this server also listens on, for peers on
+        this host (:mod:`kvmux.net.local`); None if not given one, or no such
+        sockets here."""
+        if unix_name is not None and HAS_ABSTRACT_SOCKETS:
+            try:
+                self._listeners.append(listen_unix(unix_name))
+            except BaseException:
+                listener.close()
+                raise
+            self.unix_name = unix_name
+        self._wake, self._woken = socket.socketpair()
+        """Closing ``_wake`` ends the acceptor's wait on the listeners."""
         self._acceptor = threading.Thread(
             target=self._accept_loop, name=f"kvmux-{service}-accept", daemon=True
         )
@@ -171,12 +189,12 @@ class FrameServer:
                 return
             self._closed = True
             channels = list(self._channels)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        self._listener.close()
+        self._wake.close()
+        self._acceptor.join(timeout=5)
+        for listener in self._listeners:
+            listener.close()
         for chan in channels:
             chan.shutdown()
-        self._acceptor.join(timeout=5)
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
@@ -185,32 +203,46 @@ class FrameServer:
     # ---------------------------------------------------------------- accepting
 
     def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                if not self._closed:
-                    log.exception("kvmux %s: accept failed; no longer serving", self._service)
+        """One thread accepts on every listener (the TCP port, the Unix socket)."""
+        with selectors.DefaultSelector() as ready, self._woken:
+            ready.register(self._woken, selectors.EVENT_READ, None)
+            for listener in self._listeners:
+                ready.register(listener, selectors.EVENT_READ, listener)
+            while True:
+                for key, _ in ready.select():
+                    if key.data is None:  # close()
+                        return
+                    try:
+                        sock, _ = key.data.accept()
+                    except OSError:
+                        if not self._closed:
+                            log.exception(
+                                "kvmux %s: accept failed; no longer serving", self._service
+                            )
+                        return
+                    self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve a new connection on a thread of its own, or refuse it."""
+        chan = Channel(sock, PEER_PROTOCOL, self._limits, read_ahead=HANDSHAKE_READ_AHEAD)
+        thread = threading.Thread(
+            target=self._serve, args=(chan,), name=f"kvmux-{self._service}-conn", daemon=True
+        )
+        with self._lock:
+            if self._closed:
+                chan.close()
                 return
-            chan = Channel(sock, PEER_PROTOCOL, self._limits, read_ahead=HANDSHAKE_READ_AHEAD)
-            thread = threading.Thread(
-                target=self._serve, args=(chan,), name=f"kvmux-{self._service}-conn", daemon=True
-            )
-            with self._lock:
-                if self._closed:
-                    chan.close()
-                    return
-                admitted, shed = self._make_room()
-                if admitted:
-                    self._channels.add(chan)
-                    self._joining[chan] = None
-                    self._threads.add(thread)
-            if shed is not None:
-                shed.shutdown()  # its thread wakes, fails its handshake and ends
+            admitted, shed = self._make_room()
             if admitted:
-                thread.start()
-            else:
-                self._refuse(chan)
+                self._channels.add(chan)
+                self._joining[chan] = None
+                self._threads.add(thread)
+        if shed is not None:
+            shed.shutdown()  # its thread wakes, fails its handshake and ends
+        if admitted:
+            thread.start()
+        else:
+            self._refuse(chan)
 
     def _make_room(self) -> tuple[bool, Channel | None]:
         """Whether one more connection fits under the cap, and the connection still in

@@ -28,6 +28,9 @@ class PeerAddress(BaseModel):
     host_id: str | None = None
     incarnation: str | None = Field(None, max_length=64)
     """The instance that published; any other at this endpoint no longer has its blocks."""
+    unix: str | None = Field(None, max_length=100, pattern=r"^kvmux-[a-z]+-[0-9a-f]+$")
+    """The abstract Unix socket a consumer on the peer's host dials first
+    (:mod:`kvmux.net.local`); a name that does not answer means TCP."""
 
     @classmethod
     def parse(cls, address: Address) -> PeerAddress:

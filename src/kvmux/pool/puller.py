@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvmux.errors import ClosedError, KvmuxError, PeerRestartedError
 from kvmux.handle import Outcome, failed
@@ -32,6 +34,8 @@ from kvmux.pool.transport import PullTransport
 from kvmux.stats import Stats
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Puller:
@@ -58,12 +62,7 @@ class Puller:
         try:
             self._transport.check_peer(peer)
             deadline = time.monotonic() + self._timeout_s
-            return self._client.call(
-                peer.endpoint,
-                deadline,
-                lambda link: _ask_prefix(link, keys, deadline),
-                incarnation=peer.incarnation,
-            )
+            return self._call(peer, deadline, lambda link: _ask_prefix(link, keys, deadline))
         except KvmuxError as exc:
             self._counters.add("lookup_errors")
             log.warning(
@@ -94,7 +93,7 @@ class Puller:
                 )
 
         try:
-            self._client.call(peer.endpoint, deadline, exchange, incarnation=peer.incarnation)
+            self._call(peer, deadline, exchange)
         except KvmuxError as exc:
             self._forget(peer, exc)
             if isinstance(exc, PullInterrupted):
@@ -121,7 +120,7 @@ class Puller:
         def tell() -> None:
             try:
                 self._transport.check_peer(peer)
-                self._client.call(peer.endpoint, deadline, send, incarnation=peer.incarnation)
+                self._call(peer, deadline, send)
             except KvmuxError as exc:
                 self._counters.add("lease_notice_errors")
                 log.info(
@@ -135,6 +134,14 @@ class Puller:
 
         with contextlib.suppress(ClosedError):  # closing: the leases end at their time
             self._lanes.submit(("notices", peer.endpoint), tell, 1)
+
+    def _call(self, peer: PeerAddress, deadline: float, exchange: Callable[[Link], T]) -> T:
+        """``exchange`` on a link to ``peer`` (of the incarnation it names); over its
+        Unix socket where it has one and the transport's peers share this host."""
+        unix = peer.unix if self._transport.same_host else None
+        return self._client.call(
+            peer.endpoint, deadline, exchange, incarnation=peer.incarnation, unix=unix
+        )
 
     def _forget(self, peer: PeerAddress, cause: KvmuxError) -> None:
         """Drop what is cached for a peer that failed. Not for a restarted one: the

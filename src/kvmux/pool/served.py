@@ -143,6 +143,7 @@ class ServedPoolBackend(Backend):
             "incarnation": self.incarnation,
             "layout": terms.layout,
             "compat": terms.compat.model_dump(mode="json", exclude_none=True),
+            **({"unix": server.unix_name} if server.unix_name is not None else {}),
             **self.transport.address(),
         }
 

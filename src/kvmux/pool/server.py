@@ -54,10 +54,13 @@ class PoolServer:
                 **transport.handlers(self.refused),
             },
             on_close=transport.session_closed,
+            unix_name=f"kvmux-{transport.service}-{incarnation}" if transport.same_host else None,
         )
         self.host = advertised_host(self._frames.host, config.advertise)
         """Where peers reach the server; see :mod:`kvmux.net.advertise`."""
         self.port: int = self._frames.port
+        self.unix_name = self._frames.unix_name
+        """Where peers on this host reach the server too (None: TCP only)."""
 
     @property
     def alive(self) -> bool:

@@ -44,6 +44,9 @@ class PullTransport(ABC):
     service: ClassVar[Service]
     """The name both ends announce at the handshake (a ``tcp`` client cannot join
     an ``shm`` server)."""
+    same_host: ClassVar[bool] = False
+    """Whether every peer is on this host: then the server also listens on an
+    abstract Unix socket, which consumers dial first (:mod:`kvmux.net.local`)."""
 
     def __init__(self, config: ServedPoolConfig, store: PoolStore) -> None:
         self.config = config
