@@ -273,6 +273,27 @@ def test_store_blocks_cross_processes_byte_exact(master: str) -> None:
             reader.close()
 
 
+def test_a_stored_value_lives_in_its_writers_segment(master: str) -> None:
+    # With another client's segment mounted (the peer process), the master would
+    # place about half the values there; the writer asks for its own.
+    config = {"backend": "buffers:mooncake-store", **store_config(master, "placement")}
+    with spawn_peer(config, 2, SEED):
+        buffer = MooncakeStoreBuffer(MooncakeStoreConfig(**store_config(master, "placement")))
+        keys = chain_keys(range(12 * 16), 16, "placement")
+        for i, key in enumerate(keys):
+            buffer.insert(key, torch.full((4096,), i, dtype=torch.uint8))
+        endpoints = {
+            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for key in keys
+            for replica in buffer._store.get_replica_desc(buffer._name(key))
+        }
+        assert len(endpoints) == 1, endpoints
+    for i, key in enumerate(keys):  # the peer and its segment are gone; ours holds them
+        got = buffer.drop_select(key, timeout=5)
+        assert got is not None and torch.equal(got, torch.full((4096,), i, dtype=torch.uint8))
+    buffer.close()
+
+
 HEALTH_CHILD = """
 import json, os, signal, sys
 from kvmux.buffers.mooncake_store import MooncakeStoreBuffer, MooncakeStoreConfig, close_clients

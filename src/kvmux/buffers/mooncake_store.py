@@ -101,6 +101,7 @@ class MooncakeStoreBuffer(LookupBuffer):
                 "start mooncake_master or fix master_address"
             )
         self._store: Any = _shared_client(config)
+        self._placement = _in_own_segment(self._store)
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -109,7 +110,7 @@ class MooncakeStoreBuffer(LookupBuffer):
     def insert(self, key: BlockKey, tensor: torch.Tensor) -> None:
         self._check_open()
         data = tensor.detach().reshape(-1).view(torch.uint8).contiguous()
-        rc = int(self._store.upsert(self._name(key), byte_view(data)))
+        rc = int(self._store.upsert(self._name(key), byte_view(data), self._placement))
         if rc != 0:
             raise TransferError(f"Mooncake store put of {key.id} failed (rc={rc})")
 
@@ -223,6 +224,21 @@ def _shared_client(config: MooncakeStoreConfig) -> Any:
             )
         _clients[key] = client
         return client
+
+
+def _in_own_segment(client: Any) -> Any:
+    """Put options that place a value in its writer's own segment.
+
+    Left to itself the master spreads values over every client's segment (a
+    prefill's blocks landed in the decode's segment about half the time, seen
+    with ``get_replica_desc``): then a value outlives its writer but dies with
+    whichever reader held it, and where a read goes (this host or another) is
+    chance. The writer's segment is what it lends memory for."""
+    from mooncake.store import ReplicateConfig
+
+    placement = ReplicateConfig()
+    placement.preferred_segment = client.get_hostname()
+    return placement
 
 
 def local_hostname(config: MooncakeStoreConfig) -> str:
