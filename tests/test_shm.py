@@ -144,62 +144,6 @@ def _link_families(consumer: Consumer) -> list[socket.AddressFamily]:
     return [link.channel.sock.family for links in client._idle.values() for link in links]
 
 
-@pytest.mark.skipif(not HAS_ABSTRACT_SOCKETS, reason="no abstract Unix sockets here")
-def test_a_consumer_on_this_host_pulls_over_the_producers_unix_socket() -> None:
-    caches = make_caches(SEED, 4)
-    conn = create_connector(CONFIG)
-    consumer = None
-    try:
-        conn.register(make_layout(caches), caches)
-        assert conn.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
-        address = conn.address()
-        assert address["unix"] == f"kvmux-shm-{conn.backend.incarnation}"
-        consumer = open_consumer(CONFIG, num_blocks=4)
-        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
-        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
-        assert _link_families(consumer) == [socket.AF_UNIX]
-    finally:
-        if consumer is not None:
-            consumer.connector.close()
-        conn.close()
-    assert dial_unix(address["unix"], 1.0) is None, "the socket closes with its connector"
-
-
-def test_a_unix_socket_that_does_not_answer_leaves_the_pull_to_tcp() -> None:
-    # A peer in another network namespace of this host, or one restarted since the
-    # address was taken: nothing answers at the name, and TCP still reaches it.
-    caches = make_caches(SEED, 4)
-    conn = create_connector(CONFIG)
-    consumer = None
-    try:
-        conn.register(make_layout(caches), caches)
-        assert conn.save(make_keys(4), [0, 1, 2, 3]).result(5).ok
-        address = {**conn.address(), "unix": "kvmux-shm-" + "0" * 32}
-        consumer = open_consumer(CONFIG, num_blocks=4)
-        assert consumer.connector.lookup(make_keys(4), address) == 4
-        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
-        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
-        assert _link_families(consumer) == [socket.AF_INET]
-    finally:
-        if consumer is not None:
-            consumer.connector.close()
-        conn.close()
-
-
-def test_a_unix_name_that_is_not_a_kvmux_one_is_refused_as_an_address() -> None:
-    caches = make_caches(SEED, 4)
-    conn = create_connector(CONFIG)
-    consumer = open_consumer(CONFIG, num_blocks=4)
-    try:
-        conn.register(make_layout(caches), caches)
-        address = {**conn.address(), "unix": "../../run/other.sock"}
-        with pytest.raises(InvalidRequestError, match="unix"):
-            consumer.connector.load(make_keys(1), [0], address)
-    finally:
-        consumer.connector.close()
-        conn.close()
-
-
 def test_a_tcp_producer_offers_no_unix_socket() -> None:
     caches = make_caches(SEED, 4)
     conn = create_connector({**CONFIG, "backend": "tcp"})
@@ -238,6 +182,54 @@ def locate_and_hold(conn: Connector, keys: list[BlockKey]) -> tuple[PeerClient, 
         return expect(link.channel.recv(deadline), LocateReply)
 
     return client, client.call((address["host"], address["port"]), deadline, exchange)
+
+
+@pytest.mark.skipif(not HAS_ABSTRACT_SOCKETS, reason="no abstract Unix sockets here")
+def test_a_consumer_on_this_host_pulls_over_the_producers_unix_socket(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, caches = small_pool
+    address = conn.address()
+    assert address["unix"] == f"kvmux-shm-{conn.backend.incarnation}"
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
+        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert _link_families(consumer) == [socket.AF_UNIX]
+    finally:
+        consumer.connector.close()
+    conn.close()
+    assert dial_unix(address["unix"], 1.0) is None, "the socket closes with its connector"
+
+
+def test_a_unix_socket_that_does_not_answer_leaves_the_pull_to_tcp(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    # A peer in another network namespace of this host, or one restarted since the
+    # address was taken: nothing answers at the name, and TCP still reaches it.
+    conn, caches = small_pool
+    address = {**conn.address(), "unix": "kvmux-shm-" + "0" * 32}
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+        assert consumer.connector.lookup(make_keys(4), address) == 4
+        assert consumer.load(make_keys(4), [0, 1, 2, 3], address).ok
+        assert torch.equal(consumer.blocks(range(4)), block_bytes(caches, range(4)))
+        assert _link_families(consumer) == [socket.AF_INET]
+    finally:
+        consumer.connector.close()
+
+
+def test_a_unix_name_that_is_not_a_kvmux_one_is_refused_as_an_address(
+    small_pool: tuple[Connector, dict[str, torch.Tensor]],
+) -> None:
+    conn, _ = small_pool
+    address = {**conn.address(), "unix": "../../run/other.sock"}
+    consumer = open_consumer(CONFIG, num_blocks=4)
+    try:
+        with pytest.raises(InvalidRequestError, match="unix"):
+            consumer.connector.load(make_keys(1), [0], address)
+    finally:
+        consumer.connector.close()
 
 
 def test_pinned_blocks_are_not_evicted_until_the_lease_ends(
