@@ -306,4 +306,11 @@ def _table(records: Sequence[BenchRecord]) -> str:
             f"{rec.load_cpu_us_other_process:.0f} us of CPU in the two processes; "
             f"a loopback round trip between two processes, {rec.round_trip_us:.0f} us"
         )
+    for rec in records:  # the transport alone, without the save's copy into the pool
+        if rec.baseline_load_gbps and rec.load_gbps is not None:
+            lines.append(
+                f"{rec.backend} {rec.shape}: its load alone {rec.load_gbps:.2f} GB/s, raw "
+                f"{rec.baseline}'s read alone {rec.baseline_load_gbps:.2f} GB/s "
+                f"({rec.load_gbps / rec.baseline_load_gbps:.2f}x)"
+            )
     return "\n".join(lines)
