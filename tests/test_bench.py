@@ -86,28 +86,22 @@ def test_a_p2p_one_block_load_is_also_timed_from_another_process() -> None:
 def test_the_table_sets_a_p2p_load_beside_the_raw_librarys_read_alone() -> None:
     """A raw-library row's ratio includes kvmux's save copy; the table also shows the
     transport alone: the backend's load beside the raw library's read."""
-    common = dict(backend="nixl", shape="256x256KiB", blocks=256, block_nbytes=262144)
-    rows = [
-        BenchRecord(
-            **common,
-            gbps=2.0,
-            save_gbps=10.0,
-            load_gbps=3.0,
-            baseline="memcpy",
-            baseline_gbps=8.0,
-            ratio=0.25,
-        ),
-        BenchRecord(
-            **common,
-            gbps=2.0,
-            save_gbps=10.0,
-            load_gbps=3.0,
-            baseline="nixl",
-            baseline_gbps=3.2,
-            ratio=0.62,
-            baseline_load_gbps=4.0,
-        ),
-    ]
+    memcpy = BenchRecord(
+        backend="nixl",
+        shape="256x256KiB",
+        blocks=256,
+        block_nbytes=262144,
+        gbps=2.0,
+        save_gbps=10.0,
+        load_gbps=3.0,
+        baseline="memcpy",
+        baseline_gbps=8.0,
+        ratio=0.25,
+    )
+    raw = memcpy.model_copy(
+        update=dict(baseline="nixl", baseline_gbps=3.2, ratio=0.62, baseline_load_gbps=4.0)
+    )
+    rows = [memcpy, raw]
     lines = _table(rows).splitlines()
     assert (
         "nixl 256x256KiB: its load alone 3.00 GB/s, raw nixl's read alone 4.00 GB/s (0.75x)"
