@@ -60,6 +60,8 @@ class Got:
     path: str
     body: dict[str, Any]
     headers: Mapping[str, str]  # case-insensitive
+    peer: tuple[str, int] | None = None
+    """The proxy's end of the connection the request came over."""
 
 
 @dataclass
@@ -95,7 +97,8 @@ class FakeVllm:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.got.append(Got(request.path, body, request.headers.copy()))
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.got.append(Got(request.path, body, request.headers.copy(), peer))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
@@ -289,6 +292,22 @@ async def test_completion_is_prefilled_remotely_then_decoded_from_the_token_ids(
         assert got.headers["Authorization"] == "Bearer sk-1"
     request_id = prefill.headers["X-Request-Id"]
     assert request_id and decode.headers["X-Request-Id"] == request_id
+
+
+@in_loop
+async def test_an_idle_upstream_connection_is_dropped_before_the_upstream_drops_it() -> None:
+    """vLLM closes a connection idle 5 s; aiohttp reuses one idle up to 15 s, and a
+    request sent as the server closes it failed as 'Server disconnected' (a 502, and
+    the upstream out of rotation). The proxy reuses a connection only while it has
+    been idle less than ``upstream_keepalive_s``."""
+    async with stack(upstream_keepalive_s=0.3) as s:
+        for pause in (0.0, 0.05, 0.6):
+            await asyncio.sleep(pause)
+            status, _ = await s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert status == 200
+    first, soon_after, after_idling = (got.peer for got in s.prefill[0].got)
+    assert soon_after == first, "a connection idle 0.05 s is reused"
+    assert after_idling != soon_after, "a connection idle 0.6 s is not"
 
 
 @in_loop

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often a server out of rotation has its /health probed (default 2)",
     )
     parser.add_argument(
+        "--upstream-keepalive-s",
+        type=float,
+        default=4.0,
+        help="longest an idle connection to a server is kept for reuse; keep it below the "
+        "servers' own keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; default 4)",
+    )
+    parser.add_argument(
         "--prefix-routes",
         type=int,
         default=10_000,
@@ -82,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         unreachable_after_s=args.unreachable_after_s,
         probe_interval_s=args.probe_interval_s,
+        upstream_keepalive_s=args.upstream_keepalive_s,
         prefix_routes=args.prefix_routes,
     )
     logging.basicConfig(

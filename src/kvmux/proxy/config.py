@@ -78,6 +78,14 @@ class ProxyConfig(BaseModel):
         "the request tried on another where it was never seen): a cut link or a host gone, "
         "told apart from a slow answer by the kernel",
     )
+    upstream_keepalive_s: float = Field(
+        4.0,
+        gt=0,
+        description="longest an idle connection to an upstream is kept for the next request; "
+        "below the upstreams' own keep-alive (vLLM closes an idle connection after "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), or a request may go out on a "
+        "connection the server is closing and fail as 'Server disconnected'",
+    )
     health_timeout_s: float = Field(
         5.0, gt=0, description="how long GET /health waits for each upstream's /health"
     )
