@@ -7,6 +7,7 @@ import torch
 
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, InvalidRequestError, LayoutError
+from kvmux.keys import BlockKey
 from kvmux.layout import KVLayout
 from kvmux.registry import create_connector
 
@@ -63,6 +64,21 @@ def test_keys_and_block_ids_of_different_lengths_are_refused(caches, layout) -> 
             pool.save(keys(3), [0, 1])
         with pytest.raises(InvalidRequestError, match="out of range"):
             pool.load(keys(1), [10_000])
+
+
+def test_a_batch_with_one_key_that_is_not_a_block_key_is_refused(caches, layout) -> None:
+    class TaggedKey(BlockKey):  # a subclass is a key, as isinstance says
+        __slots__ = ()
+
+    with _pool(layout, caches, 4) as pool:
+        batch = keys(3)
+        with pytest.raises(InvalidRequestError, match="keys must be BlockKey, got str"):
+            pool.save([*batch[:2], "not-a-key"], [0, 1, 2])  # type: ignore[list-item]
+        with pytest.raises(InvalidRequestError, match="got tuple"):
+            pool.lookup([batch[0], tuple(batch[1])])  # type: ignore[list-item]
+        tagged = TaggedKey(b"tagged", batch[0].namespace)
+        assert pool.save([*batch, tagged], [0, 1, 2, 3]).result().ok
+        assert pool.lookup([*batch, tagged]) == 4
 
 
 def test_registering_caches_that_differ_from_the_layout_is_refused(layout) -> None:

@@ -54,6 +54,17 @@ def test_result_lists_keys_by_status() -> None:
     assert result.not_ok == [(ks[1], MISSING)]
 
 
+def test_a_result_is_ok_when_every_outcome_is_whatever_object_says_so() -> None:
+    ks = keys(3)
+    assert Handle.completed(ks, [OK] * 3).result().ok
+    copies = [Outcome(Status.OK) for _ in ks]  # equal to OK, not the shared instance
+    assert Handle.completed(ks, copies).result().ok
+    assert Handle.completed(ks, [OK, Outcome(Status.OK, "from a second tier"), OK]).result().ok
+    assert not Handle.completed(ks, [OK, OK, MISSING]).result().ok
+    assert not Handle.completed(ks, [*copies[:2], Outcome(Status.FAILED, "x")]).result().ok
+    assert Handle.completed([], []).result().ok  # nothing asked, nothing failed
+
+
 def _inline(fn):
     from concurrent.futures import Future
 
