@@ -22,6 +22,7 @@ from kvmux.bench.baselines import (
     socket_seconds,
 )
 from kvmux.bench.shapes import Shape
+from kvmux.blocks import BlockCopier
 from kvmux.config import invent_paths
 from kvmux.connector import Connector
 from kvmux.keys import chain_keys
@@ -43,6 +44,12 @@ class BenchRecord(BaseModel):
     ratio: float | None
     baseline_load_gbps: float | None = None
     """The baseline's load part alone, where it has one (raw NIXL or Mooncake: its READ)."""
+    copy_gbps: float | None = None
+    """The same blocks moved by kvmux's copy kernel alone, in the same rounds: out of
+    the engine's scattered blocks into packed rows, then back into other scattered
+    blocks (:class:`~kvmux.blocks.BlockCopier`, with no keys, slots, lanes or
+    handles). memcpy copies one contiguous buffer; this is what the blocks' scatter
+    leaves of it, so ``gbps / copy_gbps`` is kvmux's own share of the gap."""
     lookup_ms_10k: float | None = None
     """One lookup of 10,000 present keys (measured once per backend)."""
     added_us: float | None = None
@@ -97,6 +104,7 @@ def bench_backend(
     baselines = baselines_for(name)
     base_times: dict[str, list[float]] = {b: [] for b in baselines}
     load_times: list[float] = []
+    copy_times: list[float] = []
 
     with ExitStack() as stack:
         measures: dict[str, Callable[[], float]] = {
@@ -106,9 +114,12 @@ def bench_backend(
             if b in baselines:
                 measures[b] = _raw_measure(stack.enter_context(_raw_reader(b, shape)), load_times)
 
-        def measure_baselines() -> None:
+        kernel = _CopyKernel(shape)
+
+        def measure_baselines(src: list[int], dst: list[int]) -> None:
             for b in baselines:
                 base_times[b].append(measures[b]())
+            copy_times.append(kernel.seconds(src, dst))
 
         return _bench_records(
             name,
@@ -118,8 +129,26 @@ def bench_backend(
             baselines,
             base_times,
             load_times,
+            copy_times,
             measure_baselines,
         )
+
+
+class _CopyKernel:
+    """kvmux's copy kernel alone on caches of its own, shaped as the backend's: the
+    backend's blocks are left to the backend, so its bytes are checked unhelped."""
+
+    def __init__(self, shape: Shape) -> None:
+        caches = shape.caches(2 * shape.blocks, seed=2)
+        self._copier = BlockCopier(shape.layout(caches), caches)
+        self._rows = torch.zeros((shape.blocks, shape.block_nbytes), dtype=torch.uint8)
+
+    def seconds(self, src: list[int], dst: list[int]) -> float:
+        """Blocks ``src`` out to the rows, then the rows into blocks ``dst``."""
+        start = time.perf_counter()
+        self._copier.copy_out(src, self._rows)
+        self._copier.copy_in(dst, self._rows)
+        return time.perf_counter() - start
 
 
 def _raw_reader(baseline: str, shape: Shape) -> Any:
@@ -152,7 +181,8 @@ def _bench_records(
     baselines: list[str],
     base_times: dict[str, list[float]],
     load_times: list[float],
-    measure_baselines: Callable[[], None],
+    copy_times: list[float],
+    measure_baselines: Callable[[list[int], list[int]], None],
 ) -> list[BenchRecord]:
     common: dict[str, Any] = dict(
         backend=name,
@@ -168,7 +198,7 @@ def _bench_records(
             other_process = load_from_another_process(name, shape, config)
     except Exception as exc:  # a broken backend is a row, not a crash
         if not base_times[baselines[0]]:
-            measure_baselines()
+            measure_baselines(list(range(shape.blocks)), list(range(shape.blocks)))
         return [
             BenchRecord(
                 **common,
@@ -181,6 +211,7 @@ def _bench_records(
             for b in baselines
         ]
     gbps = shape.nbytes / (save_s + load_s) / 1e9
+    copy_gbps = round(shape.nbytes / statistics.median(copy_times) / 1e9, 3)
     records = []
     for b in baselines:
         base_gbps = shape.nbytes / statistics.median(base_times[b]) / 1e9
@@ -193,6 +224,7 @@ def _bench_records(
                 baseline=b,
                 baseline_gbps=round(base_gbps, 3),
                 baseline_load_gbps=base_load,
+                copy_gbps=copy_gbps,
                 gbps=round(gbps, 3),
                 save_gbps=round(shape.nbytes / save_s / 1e9, 3),
                 load_gbps=round(shape.nbytes / load_s / 1e9, 3),
@@ -205,10 +237,15 @@ def _bench_records(
 
 
 def _save_load_seconds(
-    name: str, shape: Shape, repeats: int, config: Mapping[str, Any], baseline: Callable[[], None]
+    name: str,
+    shape: Shape,
+    repeats: int,
+    config: Mapping[str, Any],
+    baseline: Callable[[list[int], list[int]], None],
 ) -> tuple[float, float, bool]:
     """Median save and load seconds, and whether the backend is P2P (the load went
-    from a producer to a consumer)."""
+    from a producer to a consumer). ``baseline(src, dst)`` runs before each timed
+    round, told the round's blocks."""
     with ExitStack() as stack:
         producer, consumer, source = stack.enter_context(_pair(name, shape, config))
         gen = torch.Generator().manual_seed(1)
@@ -218,7 +255,7 @@ def _save_load_seconds(
             dst = torch.randperm(shape.blocks, generator=gen).add(shape.blocks).tolist()
             keys = chain_keys(range(shape.blocks * shape.tokens), shape.tokens, f"bench{rep}")
             if rep:
-                baseline()
+                baseline(src, dst)
             t0 = time.perf_counter()
             saved = producer.save(keys, src).result()
             t1 = time.perf_counter()

@@ -298,6 +298,13 @@ def _table(records: Sequence[BenchRecord]) -> str:
     lines += [f"config over the defaults: {c}" for c in sorted(configs)]
     lines.append("GB/s = batch bytes / (save + load time); ratio = GB/s / baseline GB/s")
     lines.append("added = median save+load time minus the baseline's, per batch")
+    for rec in records:  # how much of the gap to memcpy is the blocks' scatter
+        if rec.copy_gbps and rec.gbps is not None and rec.baseline == "memcpy":
+            lines.append(
+                f"{rec.backend} {rec.shape}: the same scattered blocks through kvmux's copy "
+                f"kernel alone {rec.copy_gbps:.2f} GB/s ({rec.copy_gbps / rec.baseline_gbps:.2f}x "
+                f"memcpy); {rec.backend} {rec.gbps / rec.copy_gbps:.2f}x the kernel"
+            )
     other = [r for r in records if r.load_us_other_process is not None and r.baseline == "memcpy"]
     for rec in other:
         lines.append(
