@@ -86,18 +86,8 @@ def test_a_p2p_one_block_load_is_also_timed_from_another_process() -> None:
 def test_the_table_sets_a_p2p_load_beside_the_raw_librarys_read_alone() -> None:
     """A raw-library row's ratio includes kvmux's save copy; the table also shows the
     transport alone: the backend's load beside the raw library's read."""
-    memcpy = BenchRecord(
-        backend="nixl",
-        shape="256x256KiB",
-        blocks=256,
-        block_nbytes=262144,
-        gbps=2.0,
-        save_gbps=10.0,
-        load_gbps=3.0,
-        baseline="memcpy",
-        baseline_gbps=8.0,
-        ratio=0.25,
-    )
+    memcpy = _memcpy_row("nixl", "256x256KiB", gbps=2.0, save_gbps=10.0, load_gbps=3.0)
+    memcpy = memcpy.model_copy(update=dict(baseline_gbps=8.0, ratio=0.25))
     raw = memcpy.model_copy(
         update=dict(baseline="nixl", baseline_gbps=3.2, ratio=0.62, baseline_load_gbps=4.0)
     )
@@ -123,22 +113,27 @@ def test_every_row_carries_the_copy_kernel_alone_on_the_same_blocks() -> None:
 
 
 def test_the_table_sets_a_row_beside_the_copy_kernel_alone() -> None:
-    row = BenchRecord(
-        backend="cpu",
-        shape="4096x16KiB",
-        blocks=4096,
-        block_nbytes=16384,
-        gbps=3.0,
-        save_gbps=6.0,
-        load_gbps=6.0,
-        baseline="memcpy",
-        baseline_gbps=6.0,
-        ratio=0.5,
-        copy_gbps=4.0,
-    )
+    row = _memcpy_row("cpu", "4096x16KiB", gbps=3.0, save_gbps=6.0, load_gbps=6.0)
+    row = row.model_copy(update=dict(copy_gbps=4.0))
     lines = _table([row, row.model_copy(update=dict(baseline="socket"))]).splitlines()
     expected = (
         "cpu 4096x16KiB: the same scattered blocks through kvmux's copy kernel alone "
         "4.00 GB/s (0.67x memcpy); cpu 0.75x the kernel"
     )
     assert [line for line in lines if "copy kernel" in line] == [expected]
+
+
+def _memcpy_row(backend: str, shape: str, **figures: float) -> BenchRecord:
+    """A table row against memcpy at 6 GB/s, with the backend's ``figures``."""
+    gbps = figures["gbps"]
+    blocks, nbytes = (256, 262144) if shape == "256x256KiB" else (4096, 16384)
+    return BenchRecord(
+        backend=backend,
+        shape=shape,
+        blocks=blocks,
+        block_nbytes=nbytes,
+        baseline="memcpy",
+        baseline_gbps=6.0,
+        ratio=gbps / 6.0,
+        **figures,
+    )
