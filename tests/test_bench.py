@@ -121,12 +121,17 @@ def test_the_table_sets_a_row_beside_the_copy_kernel_alone() -> None:
         "4.00 GB/s (0.67x memcpy); cpu 0.75x the kernel"
     )
     assert [line for line in lines if "copy kernel" in line] == [expected]
+    one = _memcpy_row("cpu", "1x256KiB", gbps=2.0, save_gbps=4.0, load_gbps=4.0)
+    one = one.model_copy(update=dict(copy_gbps=4.0))
+    assert not any("copy kernel" in line for line in _table([one]).splitlines())
 
 
 def _memcpy_row(backend: str, shape: str, **figures: float) -> BenchRecord:
     """A table row against memcpy at 6 GB/s, with the backend's ``figures``."""
     gbps = figures["gbps"]
-    blocks, nbytes = (256, 262144) if shape == "256x256KiB" else (4096, 16384)
+    blocks, nbytes = {"256x256KiB": (256, 262144), "4096x16KiB": (4096, 16384)}.get(
+        shape, (1, 262144)
+    )
     return BenchRecord(
         backend=backend,
         shape=shape,
