@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import statistics
 import subprocess
@@ -12,12 +13,26 @@ from pathlib import Path
 
 import torch
 
+ONE_THREAD_COPY_BYTES = 1 << 20
+"""Up to this size the baseline copies in one thread (``memmove``), as the backends'
+copy kernel does: torch splits a copy over its threads from 32 KiB on, and waking
+them cost a one-block (256 KiB) baseline 300-600 µs in ``kvmux bench``, where the
+copy itself takes ~12 µs; they then spun on the cores the backend's transfer,
+timed next, needed."""
+
 
 def memcpy_seconds(nbytes: int) -> float:
     """Seconds for a save+load's worth of plain copies: ``nbytes`` out, then back,
     between buffers already paged in (as a backend's pool and KV memory are)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     mid = torch.zeros_like(src)
+    if nbytes <= ONE_THREAD_COPY_BYTES:
+        a, b = src.data_ptr(), mid.data_ptr()
+        ctypes.memmove(b, a, nbytes)
+        start = time.perf_counter()
+        ctypes.memmove(b, a, nbytes)
+        ctypes.memmove(a, b, nbytes)
+        return time.perf_counter() - start
     mid.copy_(src)
     start = time.perf_counter()
     mid.copy_(src)
