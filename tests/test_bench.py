@@ -8,7 +8,12 @@ import sys
 import pytest
 
 from kvmux.bench.shapes import Shape
-from kvmux.bench.transfer import BenchRecord, bench_backend
+from kvmux.bench.transfer import (
+    ONE_BLOCK_ROUNDS,
+    BenchRecord,
+    _save_load_seconds,
+    bench_backend,
+)
 from kvmux.cli.bench import _table
 from kvmux.cli.main import main
 
@@ -124,6 +129,20 @@ def test_the_table_sets_a_row_beside_the_copy_kernel_alone() -> None:
     one = _memcpy_row("cpu", "1x256KiB", gbps=2.0, save_gbps=4.0, load_gbps=4.0)
     one = one.model_copy(update=dict(copy_gbps=4.0))
     assert not any("copy kernel" in line for line in _table([one]).splitlines())
+
+
+def test_a_one_block_batch_is_timed_over_many_rounds_after_a_warm_up() -> None:
+    """Its figure is a time added per batch of ~100 µs, which a handful of rounds of a
+    new pair overstates: threads and links are still being made."""
+    rounds: list[tuple[list[int], list[int]]] = []
+    one = Shape("1x256KiB", blocks=1, layers=8, tokens=16, heads=8)
+    _save_load_seconds("cpu", one, 1, {}, lambda src, dst: rounds.append((src, dst)))
+    assert len(rounds) == ONE_BLOCK_ROUNDS  # timed rounds only, each told its blocks
+    assert all(len(src) == len(dst) == 1 for src, dst in rounds)
+    rounds.clear()
+    _save_load_seconds("cpu", TINY, 3, {}, lambda src, dst: rounds.append((src, dst)))
+    assert len(rounds) == 3
+    assert all(sorted(src) == list(range(TINY.blocks)) for src, _ in rounds)
 
 
 def _memcpy_row(backend: str, shape: str, **figures: float) -> BenchRecord:
