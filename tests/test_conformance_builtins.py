@@ -23,27 +23,32 @@ from kvmux.testing.suite import ConnectorSuite
 
 SMALL_POOL = {"capacity_bytes": 8 * 2**20}
 
-BUILTINS: dict[str, dict[str, Any]] = {
-    "cpu": SMALL_POOL,
-    "disk": {},
-    "shm": SMALL_POOL,
-    "tcp": SMALL_POOL,
-    "pipes:tcp": {},
+BUILTINS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cpu": ("cpu", SMALL_POOL),
+    "disk": ("disk", {}),
+    "shm": ("shm", SMALL_POOL),
+    "tcp": ("tcp", SMALL_POOL),
+    "tcp-borrow": ("tcp", {"save_mode": "borrow"}),
+    "pipes:tcp": ("pipes:tcp", {}),
 }
-"""Built-in name → config fields beyond the defaults (the suite invents ``disk``'s path)."""
+"""Test id → built-in name and config fields beyond the defaults (the suite invents
+``disk``'s path). ``nixl`` and ``mooncake`` run it in their own modules."""
 
 
 @pytest.fixture(scope="module", params=sorted(BUILTINS))
-def builtin(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
+def builtin(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    name, config = BUILTINS[request.param]
     try:
         load_class(resolve(name))
     except (UnknownBackendError, BackendUnavailableError) as exc:
         pytest.skip(f"built-in {name!r} is not importable yet: {exc}")
-    return name
+    return name, config
 
 
 class TestBuiltin(ConnectorSuite):
     @pytest.fixture
-    def connector_factory(self, builtin: str, tmp_path: Path) -> ConnectorFactory:
-        return registry_factory(builtin, BUILTINS[builtin], tmp_path)
+    def connector_factory(
+        self, builtin: tuple[str, dict[str, Any]], tmp_path: Path
+    ) -> ConnectorFactory:
+        name, config = builtin
+        return registry_factory(name, config, tmp_path)

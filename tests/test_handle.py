@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 
 from kvmux.errors import TransferTimeout
-from kvmux.handle import MISSING, OK, Handle, Outcome, Status
+from kvmux.handle import MISSING, OK, Handle, Outcome, Status, TransferResult
 
 from support import keys
 
@@ -66,16 +67,12 @@ def test_a_result_is_ok_when_every_outcome_is_whatever_object_says_so() -> None:
 
 
 def _inline(fn):
-    from concurrent.futures import Future
-
     fut: Future[object] = Future()
     fut.set_result(fn())
     return fut
 
 
 def test_transfer_cancelled_by_close_reports_failed_keys() -> None:
-    from concurrent.futures import Future
-
     ks = keys(2)
     fut: Future[object] = Future()
     handle = Handle(tuple(ks), fut)
@@ -131,3 +128,25 @@ def test_a_finished_handle_answers_at_once_and_cannot_be_cancelled() -> None:
 
     handle.add_done_callback(broken)  # logged, as a future does, not raised
     assert handle.result().by_status(Status.MISSING) == [ks[1]]
+
+
+def test_a_lent_save_knows_its_outcome_before_it_ends() -> None:
+    ks = keys(2)
+    returned: Future[None] = Future()
+    handle = Handle.lent(TransferResult(tuple(ks), (OK, MISSING)), returned)
+    assert handle.saved(0).outcomes == (OK, MISSING)
+    assert not handle.poll() and not handle.wait(0.01)
+    assert not handle.cancel(), "a lent block cannot be taken back by cancel()"
+    returned.set_result(None)
+    assert handle.wait(1) and handle.result(0).outcomes == (OK, MISSING)
+
+
+def test_a_lending_save_on_a_lane_ends_once_its_blocks_are_back() -> None:
+    ks = keys(1)
+    returned: Future[None] = Future()
+    save = Handle.from_call(ks, _inline, lambda: [OK], block_nbytes=1)
+    handle = Handle.lending(save, lambda: returned)
+    assert handle.saved(1).ok
+    assert not handle.poll()
+    returned.set_result(None)
+    assert handle.wait(1) and handle.result(0).ok

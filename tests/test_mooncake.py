@@ -62,6 +62,14 @@ class TestMooncakeConformance(ConnectorSuite):
         return registry_factory("mooncake", {"capacity_bytes": 8 * 2**20}, tmp_path)
 
 
+class TestMooncakeBorrowingConformance(ConnectorSuite):
+    """The whole suite with ``save_mode: borrow``: consumers READ the producer's KV memory."""
+
+    @pytest.fixture
+    def connector_factory(self, tmp_path: Path) -> ConnectorFactory:
+        return registry_factory("mooncake", {"save_mode": "borrow"}, tmp_path)
+
+
 class TestMooncakeAcrossProcesses(CrossProcessTests):
     peer_config = CONFIG
     blocks = N

@@ -153,3 +153,14 @@ def test_a_config_round_trips_through_json_with_policy_options() -> None:
     _, _, again = parse_config(parsed.model_dump_json())
     assert again == parsed
     assert again.model_dump()["tiers"] == [{"capacity_blocks": 4}]
+
+
+def test_a_child_that_borrows_the_engines_blocks_is_refused() -> None:
+    message = refused(multi("fallback", CPU, {"backend": "tcp", "save_mode": "borrow"}))
+    assert "children.1: borrows the engine's blocks (save_mode=borrow)" in message
+
+
+def test_shm_refuses_to_borrow_blocks_with_the_reason() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"backend": "shm", "save_mode": "borrow"})
+    assert "save_mode: Input should be 'copy' (got 'borrow')" in str(info.value)

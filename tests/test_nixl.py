@@ -41,6 +41,14 @@ class TestNixlConformance(ConnectorSuite):
         return registry_factory("nixl", {"capacity_bytes": 8 * 2**20}, tmp_path)
 
 
+class TestNixlBorrowingConformance(ConnectorSuite):
+    """The whole suite with ``save_mode: borrow``: consumers READ the producer's KV memory."""
+
+    @pytest.fixture
+    def connector_factory(self, tmp_path: Path) -> ConnectorFactory:
+        return registry_factory("nixl", {"save_mode": "borrow"}, tmp_path)
+
+
 # ------------------------------------------------------------ across processes
 
 

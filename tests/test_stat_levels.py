@@ -81,7 +81,7 @@ def p2p_workload(config: dict[str, Any], rec: Recorder, label: str) -> None:
     keys = make_keys(BLOCKS)
     try:
         rec.snap(label, producer)
-        producer.save(keys, list(range(BLOCKS))).result(timeout=10)
+        producer.save(keys, list(range(BLOCKS))).saved(10)
         rec.snap(label, producer)
         consumer.load(keys, list(range(BLOCKS)), producer.address()).result(timeout=20)
         rec.snap(label, producer)
@@ -133,6 +133,8 @@ def workloads(tmp_path: Path) -> dict[str, Callable[[Recorder, str], None]]:
             continue
         config = {"backend": backend, "timeout_s": 10.0, "capacity_bytes": 4 * 2**20}
         out[label] = lambda rec, lbl, config=config: p2p_workload(config, rec, lbl)
+    borrow = {"backend": "tcp", "timeout_s": 10.0, "save_mode": "borrow"}
+    out["tcp-borrow"] = lambda rec, label: p2p_workload(borrow, rec, label)
     return out
 
 

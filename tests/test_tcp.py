@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -512,3 +516,55 @@ def test_a_wildcard_bound_server_advertises_an_address_peers_can_dial() -> None:
         named.close()
     with pytest.raises(ConfigError, match=r"advertise.*wildcard"):
         create_connector({**settings, "advertise": "0.0.0.0"})
+
+
+# ------------------------------------------------- borrowed blocks and a hung reader
+
+STALL_BLOCKS = 256
+"""256 KiB blocks: 64 MiB, many times what loopback socket buffers hold."""
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_reader_that_hangs_or_dies_holds_borrowed_blocks_no_longer_than_timeout_s(
+    fault: str,
+) -> None:
+    """A decode that stops mid-pull (SIGSTOP) keeps the engine's blocks only until the
+    producer's send deadline; one killed (kill -9) gives them back at once."""
+    config = {"backend": "tcp", "save_mode": "borrow", "timeout_s": 2.0}
+    producer = create_connector(config)
+    reader: subprocess.Popen[str] | None = None
+    try:
+        caches = make_caches(SEED, STALL_BLOCKS, "large")
+        producer.register(make_layout(caches), caches)
+        keys = make_keys(STALL_BLOCKS)
+        save = producer.save(keys, list(range(STALL_BLOCKS)))
+        assert save.saved(5).ok
+        address = producer.address()
+        assert address is not None
+        script = Path(__file__).with_name("stalled_reader.py")
+        argv = [sys.executable, str(script), address["host"], str(address["port"])]
+        reader = subprocess.Popen(
+            [*argv, str(STALL_BLOCKS), "large"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "asked"
+        wait_until(lambda: producer.stats()["pinned_blocks"] > 0, 5.0)
+        os.kill(reader.pid, getattr(signal, fault))
+        producer.release(keys)  # vLLM wants its blocks back: the engine finished the request
+        started = time.monotonic()
+        if fault == "SIGSTOP":
+            assert not save.wait(0.5), "blocks came back while a reader was still sending"
+            assert save.wait(config["timeout_s"] + P2P_GRACE_S), "a hung reader kept the blocks"
+        else:
+            assert save.wait(P2P_GRACE_S), "a dead reader kept the blocks"
+            assert time.monotonic() - started < config["timeout_s"]
+        assert save.result(0).ok
+        assert producer.stats()["lent_blocks"] == 0
+        assert producer.lookup(keys, None) == 0
+    finally:
+        if reader is not None:
+            reader.kill()
+            reader.wait(10)
+        producer.close()

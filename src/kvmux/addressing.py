@@ -115,12 +115,12 @@ class BlockAddressing:
                 layers[p.layer].base + p.offset,
                 p.step,
                 p.nbytes,
-                p.row_offset,
                 layers[p.layer].device,
             )
             for p in self.pieces
         )
         """The same per piece, as Python ints, for ``_few_runs``."""
+        self._row_offsets = [p.row_offset for p in self.pieces]
 
     @classmethod
     def of(cls, layout: KVLayout, caches: Mapping[str, torch.Tensor]) -> BlockAddressing | None:
@@ -148,49 +148,78 @@ class BlockAddressing:
             row_offset += spec.block_nbytes
         return cls(layout, tuple(layers))
 
+    def piece_starts(self) -> list[int]:
+        """Where block 0's pieces start, in serialized order: with the layout (which
+        fixes every piece's step) all a peer needs to address any block here."""
+        return [int(start) for start in self._start]
+
     def runs(self, blocks: Ids, rows: Ids, row_base: int) -> Runs:
         """Every piece of ``blocks[i]`` paired with its place in row ``rows[i]`` of a
         pool of ``block_nbytes``-wide rows at address ``row_base``, block by block,
         ranges contiguous on both sides merged into one."""
+        width = self.block_nbytes
         if len(blocks) < SMALL_BATCH:
-            return self._few_runs(blocks, rows, row_base)
+            table = [(row_base + offset, width) for offset in self._row_offsets]
+            return self._few_runs(blocks, rows, table)
+        return self._runs(blocks, rows, np.uint64(row_base) + self._row_offset, np.uint64(width))
+
+    def block_runs(self, blocks: Ids, remote_blocks: Ids, remote_starts: Sequence[int]) -> Runs:
+        """:meth:`runs` between ``blocks`` here and ``remote_blocks`` of a peer's KV
+        memory of the same layout whose pieces start at ``remote_starts`` (its
+        :meth:`piece_starts`): a producer that lends its blocks serves from there."""
+        if len(remote_starts) != len(self.pieces):
+            raise ValueError(
+                f"the peer's blocks have {len(remote_starts)} pieces, ours {len(self.pieces)}"
+            )
+        if len(blocks) < SMALL_BATCH:
+            steps = self._step.tolist()
+            return self._few_runs(
+                blocks, remote_blocks, list(zip(remote_starts, steps, strict=True))
+            )
+        starts = np.asarray(remote_starts, dtype=np.uint64)
+        return self._runs(blocks, remote_blocks, starts, self._step)
+
+    def _runs(
+        self, blocks: Ids, remote: Ids, remote_start: Addresses, remote_step: Addresses | np.uint64
+    ) -> Runs:
+        """Piece ``p`` of ``blocks[i]`` against ``remote_start[p] + remote[i] *
+        remote_step[p]``, with numpy, merged where contiguous on both sides."""
         b = np.asarray(blocks, dtype=np.uint64)[:, None]
-        r = np.asarray(rows, dtype=np.uint64)[:, None]
+        r = np.asarray(remote, dtype=np.uint64)[:, None]
         local = (self._start + b * self._step).reshape(-1)
-        row_start = np.uint64(row_base) + r * np.uint64(self.block_nbytes)
-        remote = (row_start + self._row_offset).reshape(-1)
+        there = (remote_start + r * remote_step).reshape(-1)
         length = np.broadcast_to(self._length, (len(b), len(self.pieces))).reshape(-1)
         device = np.broadcast_to(self._device, (len(b), len(self.pieces))).reshape(-1)
         # A new range starts wherever either side stops being contiguous.
         starts = np.ones(len(local), dtype=bool)
         ends = local[:-1] + length[:-1]
-        starts[1:] = (local[1:] != ends) | (remote[1:] != remote[:-1] + length[:-1])
+        starts[1:] = (local[1:] != ends) | (there[1:] != there[:-1] + length[:-1])
         first = np.flatnonzero(starts)
         if len(first) == len(local):
-            return Runs(local, remote, np.ascontiguousarray(length), np.ascontiguousarray(device))
-        return Runs(local[first], remote[first], np.add.reduceat(length, first), device[first])
+            return Runs(local, there, np.ascontiguousarray(length), np.ascontiguousarray(device))
+        return Runs(local[first], there[first], np.add.reduceat(length, first), device[first])
 
-    def _few_runs(self, blocks: Ids, rows: Ids, row_base: int) -> Runs:
-        """:meth:`runs` of a few blocks, walked piece by piece in Python: the vector
-        version's dozen numpy calls cost a one-block READ ~35 µs of set-up, several
-        times the walk."""
+    def _few_runs(self, blocks: Ids, remote: Ids, table: Sequence[tuple[int, int]]) -> Runs:
+        """:meth:`_runs` of a few blocks, walked piece by piece in Python, ``table``
+        giving each piece's remote (start, step): the vector version's dozen numpy
+        calls cost a one-block READ ~35 µs of set-up, several times the walk."""
         local: list[int] = []
-        remote: list[int] = []
+        remote_at: list[int] = []
         length: list[int] = []
         device: list[int] = []
-        width = self.block_nbytes
-        for block, row in zip(_ints(blocks), _ints(rows), strict=True):
-            row_start = row_base + row * width
-            for start, step, nbytes, row_offset, dev in self._piece_table:
-                here, there = start + block * step, row_start + row_offset
-                if local and here == local[-1] + length[-1] and there == remote[-1] + length[-1]:
+        for block, row in zip(_ints(blocks), _ints(remote), strict=True):
+            for (start, step, nbytes, dev), (rstart, rstep) in zip(
+                self._piece_table, table, strict=True
+            ):
+                here, there = start + block * step, rstart + row * rstep
+                if local and here == local[-1] + length[-1] and there == remote_at[-1] + length[-1]:
                     length[-1] += nbytes
                     continue
                 local.append(here)
-                remote.append(there)
+                remote_at.append(there)
                 length.append(nbytes)
                 device.append(dev)
-        return Runs(*(np.array(v, dtype=np.uint64) for v in (local, remote, length, device)))
+        return Runs(*(np.array(v, dtype=np.uint64) for v in (local, remote_at, length, device)))
 
 
 def _ints(ids: Ids) -> list[int]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -148,7 +149,8 @@ class Backend(ABC):
     @abstractmethod
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
         """Make blocks ``block_ids`` retrievable under ``keys``; once this returns,
-        the caller may overwrite them."""
+        the caller may overwrite them (unless the backend borrows them: then once
+        ``returned`` says so)."""
 
     @abstractmethod
     def load(
@@ -161,6 +163,13 @@ class Backend(ABC):
         """Fill blocks ``block_ids`` with what is stored under ``keys`` (here, or at
         the peer ``source``), by ``deadline`` (``time.monotonic()`` seconds, taken
         when the load was asked for: time spent queued counts)."""
+
+    def returned(self, block_ids: list[int]) -> Future[None] | None:
+        """Hook for backends that borrow blocks (``capabilities.borrows_blocks``),
+        asked right after a save of ``block_ids``: a future done once those of them
+        still lent are back with the engine, or None if none is. The save's handle
+        ends with it."""
+        return None
 
     def lane(self, source: Address | None) -> Hashable:
         """The lane a load from ``source`` runs on: ``None`` (the default, the

@@ -37,6 +37,12 @@ class Capabilities:
     """Devices whose KV memory ``register`` accepts (``cpu``, ``cuda``)."""
     max_block_nbytes: int | None = None
     """Largest block the backend can hold, if bounded."""
+    borrows_blocks: bool = False
+    """A save keeps the engine's blocks instead of copying them: peers are served
+    straight from the engine's KV memory, and the save's handle ends only once the
+    blocks are returned (their keys released, their publication ended or expired,
+    no peer reading them). Until then the engine must not overwrite them; the
+    save's per-key outcome is known at once (``Handle.saved``)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -28,6 +28,13 @@ class BackendConfig(BaseModel):
         30.0, gt=0, description="deadline for one transfer; past it the keys fail, never hang"
     )
 
+    @property
+    def borrows_blocks(self) -> bool:
+        """Whether saves keep the engine's blocks until they are returned
+        (``Capabilities.borrows_blocks``), read from the config alone: an engine's
+        scheduler plans around it without building the backend."""
+        return False
+
 
 def invent_paths(
     model: type[BackendConfig], given: Mapping[str, Any], tmp_path: Path

@@ -84,6 +84,8 @@ class Handle:
     _run_here: Callable[[], object] | None = field(default=None, repr=False)
     """Runs the transfer in the calling thread if it has not started yet (see
     :meth:`kvmux.lanes.Lanes.run_here`): what a wait with no timeout does first."""
+    _outcome: Future[TransferResult] | None = field(default=None, repr=False)
+    """A lending save's outcome, known before the handle ends (:meth:`lending`)."""
 
     @classmethod
     def completed(
@@ -99,6 +101,31 @@ class Handle:
     def finished(cls, result: TransferResult) -> Handle:
         """A handle whose transfer has ended with ``result``."""
         return cls(result.keys, None, result)
+
+    @classmethod
+    def lent(cls, result: TransferResult, returned: Future[None]) -> Handle:
+        """A save whose outcome is ``result`` already, but which ends only once the
+        blocks it lent are back (``returned``): a backend that borrows blocks
+        (``Capabilities.borrows_blocks``)."""
+        ended = _uncancellable()
+        returned.add_done_callback(lambda _: ended.set_result(result))
+        return cls(result.keys, ended, result)
+
+    @classmethod
+    def lending(cls, save: Handle, returned: Callable[[], Future[None] | None]) -> Handle:
+        """:meth:`lent` for a save still running as ``save``: once it ends,
+        ``returned()`` tells what the blocks still wait for."""
+        ended = _uncancellable()
+
+        def outcome_known(result: TransferResult) -> None:
+            back = returned()
+            if back is None:
+                ended.set_result(result)
+            else:
+                back.add_done_callback(lambda _: ended.set_result(result))
+
+        save.add_done_callback(outcome_known)
+        return cls(save.keys, ended, _run_here=save._run_here, _outcome=save._future)
 
     @classmethod
     def from_call(
@@ -146,8 +173,11 @@ class Handle:
             assert self._done is not None
             return self._done
         self._claim_if_waiting(timeout)
+        return self._result_of(self._future, timeout)
+
+    def _result_of(self, future: Future[TransferResult], timeout: float | None) -> TransferResult:
         try:
-            return self._future.result(timeout)
+            return future.result(timeout)
         except FutureTimeout:
             raise TransferTimeout(
                 f"transfer of {len(self.keys)} blocks not finished after {timeout} s"
@@ -155,6 +185,17 @@ class Handle:
         except CancelledError:  # it never ran: cancel(), or its connector closed first
             reason = failed("cancelled before the transfer ran")
             return TransferResult(self.keys, (reason,) * len(self.keys))
+
+    def saved(self, timeout: float | None = None) -> TransferResult:
+        """A save's per-key outcome as soon as it is known: for a backend that
+        borrows blocks, before they are returned (the handle still runs until
+        then); for any other transfer, :meth:`result`."""
+        if self._done is not None:
+            return self._done
+        if self._outcome is None:
+            return self.result(timeout)
+        self._claim_if_waiting(timeout)
+        return self._result_of(self._outcome, timeout)
 
     def cancel(self) -> bool:
         """Drop a transfer that has not started yet (queued behind others): True if it
@@ -172,6 +213,14 @@ class Handle:
                 log.exception("kvmux: a handle's done callback raised")
             return
         self._future.add_done_callback(lambda _: fn(self.result()))
+
+
+def _uncancellable() -> Future[TransferResult]:
+    """A future already running: ``cancel()`` cannot drop it (a lent block cannot be
+    un-lent)."""
+    future: Future[TransferResult] = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 def run_transfer(

@@ -19,7 +19,6 @@ cost nothing meanwhile.
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -73,7 +72,7 @@ class Publications:
         """Hold ``rows`` under ``lease`` until released or ``lease_s`` without renewal.
         Publishing a ``lease`` again replaces its rows (a request published twice)."""
         self._end(slots, lease)
-        pin = slots.lease(rows, math.inf)
+        pin = slots.hold(rows)
         self._held[lease] = _Hold(pin, lease_s, now + lease_s)
         self._counts["leases_published"] += 1
 

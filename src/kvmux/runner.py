@@ -150,6 +150,10 @@ class Runner:
         if lane is None and backend.inline:
             result = run_transfer(tuple(keys), work, block_nbytes)
             counters.record(op, result)  # done already: no callback to hang
+            if op == "save" and backend.capabilities.borrows_blocks:
+                returned = backend.returned(block_ids)
+                if returned is not None:
+                    return Handle.lent(result, returned)
             return Handle.finished(result)
         width = backend.workers if lane is None else backend.lane_width
         guarded = _unless_expired(len(keys), work, deadline, backend.config.timeout_s)
@@ -162,6 +166,8 @@ class Runner:
             run_here=lambda future: lanes.run_here(lane, future),
         )
         handle.add_done_callback(lambda r: counters.record(op, r))
+        if op == "save" and backend.capabilities.borrows_blocks:
+            return Handle.lending(handle, lambda: backend.returned(block_ids))
         return handle
 
 

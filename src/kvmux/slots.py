@@ -20,6 +20,7 @@ The one-key methods stay for callers that handle one key at a time.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, groupby, islice, repeat
@@ -365,6 +366,11 @@ class PinnedSlots:
         self._leases[lease] = (held, expires)
         return lease
 
+    def hold(self, slots: Sequence[int] | SlotArray) -> int:
+        """Pin ``slots`` for a publication, until ``end_lease`` (it never expires by
+        itself: :mod:`kvmux.publications` ends it)."""
+        return self.lease(slots, math.inf)
+
     def end_lease(self, lease: int) -> None:
         entry = self._leases.pop(lease, None)
         if entry is not None:
@@ -374,3 +380,126 @@ class PinnedSlots:
         """End every lease that expired by ``now``."""
         for lease in [i for i, (_, expires) in self._leases.items() if expires <= now]:
             self.end_lease(lease)
+
+
+class _LentPool(SlotPool):
+    """A :class:`SlotPool` whose slots are the engine's own blocks: a key is placed at
+    the block it was saved from, never allocated, and every slot a removal empties
+    is noted in ``freed`` (the block goes back to the engine)."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots, by_digest=True)
+        self.key_at: dict[int, BlockKey] = {}
+        self.freed: list[int] = []
+
+    def place(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> None:
+        self._where.update(zip(keys, slots, strict=True))
+        self.key_at.update(zip(slots, keys, strict=True))
+        self._index(keys)
+
+    def remove(self, key: BlockKey) -> None:
+        slot = self._where.pop(key, None)
+        if slot is not None:
+            self._unindex([key])
+            del self.key_at[slot]
+            self.freed.append(slot)
+
+    def remove_many(self, keys: Sequence[BlockKey]) -> None:
+        """``remove`` of stored, distinct ``keys``, without Python code per key."""
+        slots = list(map(self._where.pop, keys))
+        self._unindex(keys)
+        _drain(map(self.key_at.pop, slots))
+        self.freed.extend(slots)
+
+    def allocate_many(self, keys: Sequence[BlockKey], protected: set[int]) -> list[int]:
+        raise TypeError("lent slots are the engine's blocks: keys are placed, not allocated")
+
+
+class LentSlots(PinnedSlots):
+    """:class:`PinnedSlots` over an engine's KV blocks themselves (slot ``i`` is block
+    ``i``): what a producer that borrows the engine's blocks serves from.
+
+    A block holds at most one key. Pins and the release of a pinned key work as
+    for a pool; a block is *returned* once it holds no key and no pin, and every
+    such block is listed in :attr:`freed` until its owner takes them
+    (:meth:`take_freed`). Not thread-safe, as its base."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(0)
+        self._lru = self._lent = _LentPool(num_blocks)
+        self._pins = np.zeros(num_blocks, dtype=np.int32)
+        self._published = np.zeros(num_blocks, dtype=np.int32)
+        """Publications holding each block (of its pins, those that are holds)."""
+        self._holds: set[int] = set()
+
+    def held(self, blocks: Sequence[int]) -> list[int]:
+        """Those of ``blocks`` still lent, in order: ``holds`` of a batch."""
+        named = self._lent.key_at.__contains__
+        if not self._pin_total:
+            return list(filter(named, blocks))
+        pinned = (self._pins[np.asarray(blocks, dtype=np.int64)] > 0).tolist()
+        return [b for b, p in zip(blocks, pinned, strict=True) if p or named(b)]
+
+    def lent(self) -> int:
+        """How many blocks are lent now (named by a key, or pinned)."""
+        lent = self._pins > 0
+        lent[list(self._lent.key_at)] = True
+        return int(np.count_nonzero(lent))
+
+    def place(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> list[int]:
+        """Lend ``blocks`` under the new ``keys`` (absent, distinct, as ``new_keys``
+        gives them); the positions that could not be placed. A block already lent
+        under another key has been overwritten by its engine: that key goes (at
+        once for lookups), and the new one takes the block unless a peer is still
+        reading it."""
+        key_at = self._lent.key_at
+        olds = list(map(key_at.get, blocks))
+        if not any(olds):  # fresh blocks: the common case
+            self._lent.place(keys, blocks)
+            return []
+        named = [(block, old) for block, old in zip(blocks, olds, strict=True) if old is not None]
+        if not (self._pin_total and self._pins[[block for block, _ in named]].any()):
+            self._lent.remove_many([old for _, old in named])  # none read: drop them at once
+            self._lent.place(keys, blocks)
+            return []
+        placed: list[int] = []
+        refused: list[int] = []
+        for i, block in enumerate(blocks):
+            old = olds[i]
+            if old is not None:
+                self.release(old)
+                if block in key_at:  # pinned: the old key stays until the read ends
+                    refused.append(i)
+                    continue
+            placed.append(i)
+        self._lent.place([keys[i] for i in placed], [blocks[i] for i in placed])
+        return refused
+
+    def hold(self, slots: Sequence[int] | SlotArray) -> int:
+        """As a pool's, and the blocks are the publication's: once no publication
+        holds a block any more its key is released, so the block goes back to the
+        engine when no peer reads it."""
+        lease = super().hold(slots)
+        self._holds.add(lease)
+        _add_counts(self._published, self._leases[lease][0], 1)
+        return lease
+
+    def end_lease(self, lease: int) -> None:
+        entry = self._leases.get(lease)
+        if entry is None or lease not in self._holds:
+            super().end_lease(lease)
+            return
+        self._holds.discard(lease)
+        rows = entry[0]
+        _add_counts(self._published, rows, -1)
+        super().end_lease(lease)
+        key_at = self._lent.key_at
+        for slot in rows[self._published[rows] <= 0].tolist():
+            key = key_at.get(slot)
+            if key is not None:
+                self.release(key)
+
+    def take_freed(self) -> list[int]:
+        """The blocks returned since the last call."""
+        freed, self._lent.freed = self._lent.freed, []
+        return freed

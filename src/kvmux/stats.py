@@ -32,6 +32,7 @@ LEVELS: Final[Mapping[str, str]] = MappingProxyType(
         "staging_blocks_free": "free blocks of a tiered composition's staging area",
         "breaker_state": "a child's circuit breaker: 0 closed, 1 half-open, 2 open",
         "published_leases": "publications a producer holds for consumers now",
+        "lent_blocks": "engine blocks a borrowing producer holds (save_mode=borrow) now",
     }
 )
 """Every level stat, by the last dotted part of its name, with what it measures.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvmux.backend import Address, Backend, Health
@@ -74,6 +75,9 @@ class WrappingBackend(Backend):
     ) -> Sequence[Outcome]:
         return self.outcomes(self.inner_runner.load(keys, block_ids, source, deadline), deadline)
 
+    def returned(self, block_ids: list[int]) -> Future[None] | None:
+        return self.inner.returned(block_ids)
+
     def lane(self, source: Address | None) -> Hashable:
         return self.inner.lane(source)
 
@@ -102,11 +106,12 @@ class WrappingBackend(Backend):
         self.inner_runner.close()
 
     def outcomes(self, handle: Handle, deadline: float) -> tuple[Outcome, ...]:
-        """The inner transfer's outcomes; one that has not ended a second past
+        """The inner transfer's outcomes (a lending save's as soon as they are known:
+        the blocks' return is ``returned``'s); one that has not ended a second past
         ``deadline`` (the inner backend overran it) fails its keys."""
         wait_s = max(0.0, deadline - time.monotonic()) + 1.0
         try:
-            return handle.result(timeout=wait_s).outcomes
+            return handle.saved(timeout=wait_s).outcomes
         except TransferTimeout:
             reason = f"inner backend did not finish within {self.config.timeout_s:g} s"
             return (failed(reason),) * len(handle.keys)

@@ -48,7 +48,7 @@ from kvmux.net.messages import PinReply
 from kvmux.net.mooncake_engine import MooncakeEngine
 from kvmux.net.mooncake_messages import MooncakeLocateReply
 from kvmux.pool.config import PinnedPoolConfig
-from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.pinned import PinnedTransport, Rows, remote_runs
 from kvmux.pool.served import ServedPoolBackend
 from kvmux.pool.store import PoolStore
 
@@ -122,6 +122,7 @@ class MooncakeTransport(PinnedTransport):
             slots=slots,
             block_nbytes=block_nbytes,
             rows=rows,
+            pieces=self.lent_pieces(self._addressing),
         )
 
     # ---------------------------------------------------------------- consumer
@@ -129,8 +130,8 @@ class MooncakeTransport(PinnedTransport):
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, MooncakeLocateReply)
         assert self._addressing is not None
-        # Coalesced ranges (:meth:`BlockAddressing.runs`): fewer TE requests.
-        runs = self._addressing.runs(blocks, rows, reply.base)
+        # Coalesced ranges (:func:`remote_runs`): fewer TE requests.
+        runs = remote_runs(self._addressing, reply, reply.base, blocks, rows)
         self.engine.read(
             f"{link.endpoint[0]}:{reply.te_port}",
             runs.local.tolist(),

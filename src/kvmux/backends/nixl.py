@@ -4,15 +4,18 @@ into its own KV memory.
 The served pool of ``tcp``/``shm`` (:mod:`kvmux.pool`) with NIXL as the data
 path. ``save`` copies blocks into the pool (so the engine may reuse its
 blocks once the handle ends); the pool is one tensor registered with this
-instance's NIXL agent. A consumer registers its KV tensors with its own agent
-(DRAM, or VRAM for CUDA tensors), asks the producer over kvmux's validated TCP
-control channel to *locate* a batch of keys (which pins their slots under a
-lease and answers with the pool's address, the rows and the agent's metadata),
-then issues **one** NIXL READ covering every block and layer straight into its
-KV memory: zero copies of its own. Once the READ is done (or has failed) the
-consumer ends the lease with a one-way ``unpin`` message on the same
-connection; a vanished consumer ends it with its connection, a stuck one with
-``lease_s``.
+instance's NIXL agent. With ``save_mode: borrow`` there is no pool: consumers
+READ the producer's registered KV tensors themselves, as vLLM's NixlConnector
+does, and a save's handle ends once its blocks are given back.
+
+A consumer registers its KV tensors with its own agent (DRAM, or VRAM for CUDA
+tensors), asks the producer over kvmux's validated TCP control channel to
+*locate* a batch of keys (which pins their slots under a lease and answers
+with the pool's address, the rows and the agent's metadata), then issues
+**one** NIXL READ covering every block and layer straight into its KV memory:
+zero copies of its own. Once the READ is done (or has failed) the consumer
+ends the lease with a one-way ``unpin`` message on the same connection; a
+vanished consumer ends it with its connection, a stuck one with ``lease_s``.
 
 The READ carries no NIXL notification. A READ with one is not done until the
 *producer's* agent has been progressed to take the notification in (UCX
@@ -51,7 +54,7 @@ from kvmux.net.nixl_agent import Descs, NixlAgent, mem_type
 from kvmux.net.nixl_messages import NixlLocateReply
 from kvmux.net.server import Session
 from kvmux.pool.config import PinnedPoolConfig
-from kvmux.pool.pinned import PinnedTransport, Rows
+from kvmux.pool.pinned import PinnedTransport, Rows, remote_runs
 from kvmux.pool.served import ServedPoolBackend
 from kvmux.pool.store import PoolStore
 
@@ -117,20 +120,25 @@ class NixlTransport(PinnedTransport):
         self.agent.register(tensors)
         self._local_mem = mem_type(tensors[0].device)
         self._addressing = addressing
+        if self.store.lend:  # no pool to register: peers read these tensors
+            self._take_metadata()
 
     def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
         self.agent.register([pool])
         self._pool_base = pool.data_ptr()
-        # The KV tensors are registered already (``register`` comes first).
-        self._metadata = base64.b64encode(self.agent.metadata()).decode("ascii")
+        self._take_metadata()  # the KV tensors are registered already (``register`` first)
         return pool
 
-    def _descs(self, blocks: Rows, rows: Rows, base: int) -> tuple[Descs, Descs]:
+    def _take_metadata(self) -> None:
+        """Once all memory peers read is registered (NIXL puts the registrations in it)."""
+        self._metadata = base64.b64encode(self.agent.metadata()).decode("ascii")
+
+    def _descs(self, reply: NixlLocateReply, blocks: Rows, rows: Rows) -> tuple[Descs, Descs]:
         """Local and remote descriptor lists of one READ: every piece of every block,
-        coalesced (:meth:`BlockAddressing.runs`)."""
+        coalesced (:func:`remote_runs`)."""
         assert self._addressing is not None
-        runs = self._addressing.runs(blocks, rows, base)
+        runs = remote_runs(self._addressing, reply, reply.base, blocks, rows)
         local = np.empty((len(runs), 3), dtype=np.uint64)  # (address, length, device)
         local[:, 0], local[:, 1], local[:, 2] = runs.local, runs.nbytes, runs.device
         remote = np.zeros_like(local)
@@ -160,6 +168,7 @@ class NixlTransport(PinnedTransport):
             slots=slots,
             block_nbytes=block_nbytes,
             rows=rows,
+            pieces=self.lent_pieces(self._addressing),
         )
 
     def _end_lease(self, lease: int, session: Session | None = None) -> None:
@@ -175,24 +184,29 @@ class NixlTransport(PinnedTransport):
     def serve_unpin(self, session: Session, msg: Unpin) -> None:
         with self.store.lock:
             self._end_lease(msg.lease, session)
+        self.store.settle()
 
     def _reap_leases(self) -> None:
         now = time.monotonic()
         with self.store.lock:
-            for lease in [i for i, (expires, _) in self._leases.items() if expires <= now]:
+            expired = [i for i, (expires, _) in self._leases.items() if expires <= now]
+            for lease in expired:
                 self._end_lease(lease)
+        if expired:
+            self.store.settle()
 
     def session_closed(self, session: Session) -> None:
         with self.store.lock:
             for lease in list(session.leases):
                 self._end_lease(lease, session)
+        self.store.settle()
 
     # ---------------------------------------------------------------- consumer
 
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, NixlLocateReply)
         remote = self._remote_agent(link.endpoint, reply)
-        local, remote_descs = self._descs(blocks, rows, reply.base)
+        local, remote_descs = self._descs(reply, blocks, rows)
         self.agent.read(
             remote,
             local,

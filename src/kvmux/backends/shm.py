@@ -30,7 +30,7 @@ from __future__ import annotations
 import platform
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -62,6 +62,11 @@ class ShmConfig(PinnedPoolConfig):
     backend: str = "shm"
     lease_s: float = Field(
         30.0, gt=0, description="longest a consumer's pin holds slots without being renewed"
+    )
+    save_mode: Literal["copy"] = Field(
+        "copy",
+        description="copy only: a consumer maps the shared pool segment, and the engine's "
+        "own KV memory is in no segment a peer can map",
     )
 
 

@@ -58,7 +58,8 @@ class MultiConfig(BackendConfig):
         except ValidationError as exc:
             raise _invalid(problems_of(exc)) from None
         specs = [ChildSpec(i, c, partial(_declared, c)) for i, c in enumerate(self.children)]
-        problems = _shared_paths(self.children) + policy.check(options, specs)
+        problems = _shared_paths(self.children) + _borrowing(self.children)
+        problems += policy.check(options, specs)
         if problems:
             raise _invalid(
                 [(dotted(where), what, self._value_at(where)) for where, what in problems]
@@ -130,6 +131,20 @@ def _shared_paths(children: Sequence[BackendConfig]) -> list[Problem]:
                 )
             owner.setdefault(path, i)
     return problems
+
+
+def _borrowing(children: Sequence[BackendConfig]) -> list[Problem]:
+    """A child that borrows the engine's blocks ends each save only once its blocks
+    are given back, and a composition waits for every child's save to end."""
+    return [
+        (
+            ("children", i),
+            "borrows the engine's blocks (save_mode=borrow): a composition cannot wait "
+            "for its saves; give it save_mode=copy",
+        )
+        for i, child in enumerate(children)
+        if child.borrows_blocks
+    ]
 
 
 def _paths(config: BackendConfig) -> Iterator[Path]:

@@ -100,6 +100,9 @@ Service = Annotated[str, StringConstraints(pattern=SHORT_NAME)]
 """A pool transport's name (``tcp``, ``shm``, a third party's own), said at the
 handshake: both ends of a connection must name the same one."""
 Count = Annotated[int, Field(ge=0)]
+MAX_PIECES = 2**16
+"""Most byte ranges per block a lending producer may declare (:attr:`PinReply.pieces`):
+one per layer, or per layer and K/V."""
 FrameLimit = Annotated[int, Field(ge=1)]
 
 
@@ -319,7 +322,13 @@ class PinReply(Message):
     ``rows`` holds one little-endian int32 per requested key (base64 in JSON): the
     pool row that holds it, or -1 if missing. As a JSON list, the ints of a
     4096-key batch were 20 KB to build, encode and validate one by one; as bytes
-    they are checked at once (:meth:`row_array`) and never leave numpy."""
+    they are checked at once (:meth:`row_array`) and never leave numpy.
+
+    ``pieces`` comes from a producer that lends the engine's blocks instead of
+    keeping a pool (``save_mode: borrow``): ``rows`` are then its block ids (of
+    ``slots`` blocks) and block 0's pieces start at these addresses in its
+    registered KV memory (:meth:`~kvmux.addressing.BlockAddressing.piece_starts`;
+    the layouts, which fix every other offset, matched at the handshake)."""
 
     model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
 
@@ -328,6 +337,7 @@ class PinReply(Message):
     slots: Annotated[int, Field(ge=0, le=2**31 - 1)]
     block_nbytes: Count
     rows: Annotated[bytes, Field(max_length=4 * MAX_KEYS_PER_REQUEST)]
+    pieces: Annotated[list[Count], Field(max_length=MAX_PIECES)] | None = None
 
     @model_validator(mode="after")
     def _rows_in_pool(self) -> Self:

@@ -9,6 +9,8 @@ wildcard bind) this machine's first non-loopback address
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator
 
 from kvmux.backends.cpu import CpuPoolConfig
@@ -49,6 +51,18 @@ class ServedPoolConfig(CpuPoolConfig):
     idle_timeout_s: float = Field(
         300.0, gt=0, description="a joined connection without a request for this long is closed"
     )
+
+    save_mode: Literal["copy", "borrow"] = Field(
+        "copy",
+        description="copy: a save copies blocks into the pool (capacity_bytes) and ends at "
+        "once; borrow: peers are served from the engine's KV memory itself (no pool, no "
+        "copy) and a save's handle ends only once its blocks are given back (released, "
+        "their publication ended or expired, no peer reading them)",
+    )
+
+    @property
+    def borrows_blocks(self) -> bool:
+        return self.save_mode == "borrow"
 
     @field_validator("advertise")
     @classmethod

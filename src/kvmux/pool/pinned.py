@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvmux.addressing import BlockAddressing, Runs
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
@@ -56,7 +57,8 @@ class PinnedTransport(PullTransport):
             found = rows[rows >= 0]
             lease = self.pin(found, session) if found.size else 0
             slots = store.slots.slots
-        block_nbytes = self.copier.block_nbytes if store.pool is not None else 0
+            serving = store.is_open
+        block_nbytes = self.copier.block_nbytes if serving else 0
         session.send(self.locate_reply(lease, slots, block_nbytes, pack_rows(rows)))
 
     def pin(self, rows: Rows, session: Session) -> int:
@@ -76,11 +78,21 @@ class PinnedTransport(PullTransport):
             session.leases.discard(msg.lease)
             with self.store.lock:
                 self.store.slots.end_lease(msg.lease)
+            self.store.settle()
 
     def session_closed(self, session: Session) -> None:
         with self.store.lock:
             for lease in session.leases:
                 self.store.slots.end_lease(lease)
+        self.store.settle()
+
+    def lent_pieces(self, addressing: BlockAddressing | None) -> list[int] | None:
+        """For a locate reply: where the lent blocks' pieces start (``PinReply.pieces``),
+        None when serving a pool."""
+        if not self.store.lend:
+            return None
+        assert addressing is not None
+        return addressing.piece_starts()
 
     # ------------------------------------------------------------------ consumer
 
@@ -120,6 +132,19 @@ class PinnedTransport(PullTransport):
     @abstractmethod
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         """Bring pool rows ``rows`` of the peer into local ``blocks`` by ``until``, or raise."""
+
+
+def remote_runs(
+    addressing: BlockAddressing, reply: PinReply, base: int, blocks: Rows, rows: Rows
+) -> Runs:
+    """The coalesced ranges of one move of the peer's ``rows`` into local ``blocks``:
+    from its pool at address ``base``, or from the blocks it lends (``reply.pieces``)."""
+    if reply.pieces is None:
+        return addressing.runs(blocks, rows, base)
+    try:
+        return addressing.block_runs(blocks, rows, reply.pieces)
+    except ValueError as exc:
+        raise TransferError(str(exc)) from None
 
 
 def found_rows(reply: PinReply, asked: int) -> tuple[npt.NDArray[np.bool_], Rows]:

@@ -8,6 +8,10 @@ lookups and serves their pulls; ``load(source=None)`` reads the own pool
 through the transport. A backend is this class with its config model,
 capabilities and transport named (:mod:`kvmux.backends.tcp` and siblings).
 
+With ``save_mode: borrow`` there is no pool: a save names the engine's
+blocks, peers are served from the engine's KV memory itself, and the save's
+handle ends once the blocks are given back (:mod:`kvmux.pool.lending`).
+
 Until ``register`` there is no server: ``address()`` is None and peers
 cannot reach the instance (nothing is stored yet anyway).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from kvmux.backend import Address, Backend, Health
@@ -49,7 +55,11 @@ class ServedPoolBackend(Backend):
 
     def __init__(self, config: ServedPoolConfig) -> None:
         super().__init__(config)
-        self.store = PoolStore(config.capacity_bytes, served=True)
+        if config.borrows_blocks:  # no pool to bound; the handles hold the blocks
+            self.capabilities = replace(
+                type(self).capabilities, borrows_blocks=True, capacity_bound=False
+            )
+        self.store = PoolStore(config.capacity_bytes, served=True, lend=config.borrows_blocks)
         self.transport = self.transport_type(config, self.store)
         self.incarnation = secrets.token_hex(16)
         """This instance, told apart from one restarted on its port (:mod:`kvmux.pool.peer`)."""
@@ -98,6 +108,9 @@ class ServedPoolBackend(Backend):
 
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
         return self.store.save(keys, block_ids)
+
+    def returned(self, block_ids: list[int]) -> Future[None] | None:
+        return self.store.returned(block_ids)
 
     def lane(self, source: Address | None) -> Hashable:
         """A remote load runs on its peer's lane (:mod:`kvmux.lanes`): a peer that

@@ -6,6 +6,10 @@ saving a block is one copy into a free slot. Least recently used blocks are
 evicted to make room; pinned slots (a peer reading, a publication) never are.
 ``cpu`` is this store alone; the served backends serve it to peers
 (:mod:`kvmux.pool`), whose server reads ``slots`` under ``lock``.
+
+A *lending* store (``lend=True``, a served pool's ``save_mode: borrow``) has
+no pool: its slots are the engine's blocks, a save only names them, and each
+save's handle waits for its blocks to come back (:mod:`kvmux.pool.lending`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -22,8 +27,9 @@ from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
+from kvmux.pool.lending import Reaper, Returns, complete
 from kvmux.publications import Publications
-from kvmux.slots import PinnedSlots, SlotArray
+from kvmux.slots import LentSlots, PinnedSlots, SlotArray
 
 MakePool = Callable[[int, int], torch.Tensor]
 """``(slots, block_nbytes)`` -> the ``[slots, block_nbytes]`` uint8 pool tensor."""
@@ -42,18 +48,24 @@ class PoolStore:
     """Slots of one pool tensor, keyed by :class:`BlockKey`. Thread-safe; ``lock``
     guards ``pool``, ``slots`` and the publications for whoever reads them too."""
 
-    def __init__(self, capacity_bytes: int, *, served: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, *, served: bool = False, lend: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
-        self._served = served
+        self._served = served or lend
         """Whether peers' requests look keys up here: then the slots keep an index by
         digest (``PinnedSlots.stored_keys``)."""
+        self.lend = lend
+        """Saves lend the engine's blocks instead of copying them (no pool)."""
         self.lock = threading.Lock()
         self.pool: torch.Tensor | None = None
-        """None until ``open`` and after ``close``: nothing to serve then."""
-        self.slots = PinnedSlots(0)
+        """None until ``open`` and after ``close`` (and always when lending)."""
+        self.is_open = False
+        """Between ``open`` and ``close``: there is something to serve."""
+        self.slots: PinnedSlots = PinnedSlots(0)
         self._publications = Publications()
         self._copier: BlockCopier | None = None
         self._before_overwrite: BeforeOverwrite | None = None
+        self._returns = Returns()
+        self._reaper: Reaper | None = None
 
     def open(
         self,
@@ -64,6 +76,14 @@ class PoolStore:
         """Size the pool for ``blocks``' layout and make it with ``make_pool``;
         ``before_overwrite``, if given, hears of every row before a save writes it."""
         layout = blocks.layout
+        if self.lend:
+            with self.lock:
+                self._copier = blocks
+                self.slots = LentSlots(layout.num_blocks)
+                self._publications.clear()
+                self.is_open = True
+            self._reaper = Reaper(self._reap_lent, "kvmux-lent-reaper")
+            return
         slots = self.capacity_bytes // layout.block_nbytes
         if slots == 0:
             raise CapacityError(
@@ -77,6 +97,7 @@ class PoolStore:
             self.pool = pool
             self.slots = PinnedSlots(slots, by_digest=self._served)
             self._publications.clear()
+            self.is_open = True
 
     def lookup(self, keys: list[BlockKey]) -> int:
         with self.lock:
@@ -85,13 +106,15 @@ class PoolStore:
     def find_rows(self, keys: list[BlockKey]) -> SlotArray:
         """The pool row of each key, -1 where missing (all missing with no pool):
         what a producer serves a peer's request from. Caller holds ``lock``."""
-        if self.pool is None:
+        if not self.is_open:
             return np.full(len(keys), -1, dtype=np.int64)
         if len(keys) < SMALL_BATCH:  # a one-block load: no numpy set-up per key
             return np.array(self.slots.find_few(keys), dtype=np.int64)
         return self.slots.find_many(keys)
 
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        if self.lend:
+            return self._lend(keys, block_ids)
         pool, copier = self.pool, self._copier
         assert pool is not None and copier is not None
         outcomes: list[Outcome] = [OK] * len(keys)
@@ -143,7 +166,60 @@ class PoolStore:
             done += len(rows)
         return done
 
+    def _lend(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        """Name the engine's blocks under the new ``keys``: no copy. A key stored
+        already keeps the block it names (same key, same content)."""
+        slots = self.slots
+        assert isinstance(slots, LentSlots)
+        outcomes: list[Outcome] = [OK] * len(keys)
+        with self.lock:
+            new = slots.new_keys(keys)
+            if len(new) == len(keys):
+                refused = slots.place(keys, block_ids)
+            else:
+                picked = [keys[i] for i in new], [block_ids[i] for i in new]
+                refused = [new[i] for i in slots.place(*picked)]
+            due = self._returns.collect(slots)
+        complete(due)
+        if refused:
+            error = failed("the block is still being read by a peer under the key it held before")
+            for i in refused:
+                outcomes[i] = error
+        return outcomes
+
+    def returned(self, block_ids: list[int]) -> Future[None] | None:
+        """Lending: a future done once each of ``block_ids`` still lent is back with
+        the engine (None if none is); never lending: None."""
+        if not self.lend:
+            return None
+        with self.lock:
+            slots = self.slots
+            if not isinstance(slots, LentSlots):  # closed: nothing is lent
+                return None
+            return self._returns.wait(slots, block_ids)
+
+    def settle(self) -> None:
+        """Complete the saves whose lent blocks are all back. Whoever changes
+        ``slots`` under ``lock`` in a way that may end a pin or drop a key calls it
+        after releasing the lock (a no-op unless lending)."""
+        if not self.lend:
+            return
+        with self.lock:
+            slots = self.slots
+            due = self._returns.collect(slots) if isinstance(slots, LentSlots) else []
+        complete(due)
+
+    def _reap_lent(self) -> None:
+        """End expired publications and pins of lent blocks (the reaper's tick)."""
+        with self.lock:
+            now = time.monotonic()
+            self.slots.reap(now)
+            self._publications.reap(self.slots, now)
+        self.settle()
+
     def load(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        if self.lend:
+            return self._load_lent(keys, block_ids)
         pool, copier = self.pool, self._copier
         assert pool is not None and copier is not None
         with self.lock:
@@ -163,10 +239,23 @@ class PoolStore:
             copier.copy_in(blocks, pool, rows[hit])
         return [OK if h else MISSING for h in hit.tolist()]
 
+    def _load_lent(self, keys: list[BlockKey], block_ids: list[int]) -> list[Outcome]:
+        """A local load from lent blocks: block to block, through one packed copy."""
+        copier = self._copier
+        assert copier is not None
+        with self.lock:
+            rows = self.find_rows(keys)
+            hit = rows >= 0
+            if hit.any():
+                staged = copier.gather(rows[hit])
+                copier.copy_in(np.asarray(block_ids, dtype=np.int64)[hit], staged)
+        return [OK if h else MISSING for h in hit.tolist()]
+
     def release(self, keys: list[BlockKey]) -> None:
         with self.lock:
             for key in keys:
                 self.slots.release(key)
+        self.settle()
 
     # ------------------------------------------------------------ publications
 
@@ -187,14 +276,18 @@ class PoolStore:
     def unpublish(self, leases: list[str]) -> int:
         """End these of this pool's leases; how many it held."""
         with self.lock:
-            return self._publications.release(self.slots, leases)
+            known = self._publications.release(self.slots, leases)
+        self.settle()
+        return known
 
     # ------------------------------------------------------------------ levels
 
     def stats(self) -> dict[str, float]:
         with self.lock:
             self._publications.reap(self.slots, time.monotonic())
+            lent = {"lent_blocks": self._lent_blocks()} if self.lend else {}
             return {
+                **lent,
                 "blocks_stored": len(self.slots),
                 "capacity_blocks": self.slots.slots,
                 "evictions": self.slots.evictions,
@@ -202,8 +295,20 @@ class PoolStore:
                 **self._publications.counts(),
             }
 
+    def _lent_blocks(self) -> int:
+        """Blocks lent now (named by a key or still read). Caller holds the lock."""
+        slots = self.slots
+        return slots.lent() if isinstance(slots, LentSlots) else 0
+
     def close(self) -> None:
+        """Forget every block; lent ones go back to the engine (nothing serves them)."""
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
         with self.lock:
             self.pool = None
+            self.is_open = False
             self.slots = PinnedSlots(0)
             self._publications.clear()
+            due = self._returns.all()
+        complete(due)

@@ -54,10 +54,12 @@ GRACE_S = 5.0
 NAMESPACE = "kvmux-suite"
 
 
-def finish(handle: Handle, bound_s: float, what: str) -> TransferResult:
-    """The handle's result, failing the test if it is not ready within ``bound_s``."""
+def finish(handle: Handle, bound_s: float, what: str, *, saved: bool = False) -> TransferResult:
+    """The handle's result, failing the test if it is not ready within ``bound_s``;
+    with ``saved``, a save's outcome (:meth:`Handle.saved`): a backend that borrows
+    blocks ends the handle itself only once they are given back."""
     try:
-        result = handle.result(timeout=bound_s)
+        result = handle.saved(bound_s) if saved else handle.result(timeout=bound_s)
     except TransferTimeout:
         pytest.fail(
             f"{what} of {len(handle.keys)} blocks did not finish within {bound_s:.1f} s: "
@@ -107,7 +109,7 @@ class Pair:
         return self.loader.lookup(keys, self.source)
 
     def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> TransferResult:
-        return finish(self.saver.save(keys, block_ids), self.bound_s, "save")
+        return finish(self.saver.save(keys, block_ids), self.bound_s, "save", saved=True)
 
     def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> TransferResult:
         return finish(self.loader.load(keys, block_ids, self.source), self.bound_s, "load")

@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     connector = create_connector(json.loads(args.config))
     try:
         connector.register(make_layout(caches), caches)
-        result = connector.save(keys, list(range(args.blocks))).result(timeout=60)
+        result = connector.save(keys, list(range(args.blocks))).saved(60)
         if not result.ok:
             print(f"peer: save failed: {result.not_ok[:3]}", file=sys.stderr, flush=True)
             return 1

@@ -35,6 +35,7 @@ from kvmux.testing.suite.consumption import ConsumptionTests
 from kvmux.testing.suite.deadlines import DeadlineTests
 from kvmux.testing.suite.failures import FaultToleranceTests
 from kvmux.testing.suite.hostile_peers import HostilePeerTests
+from kvmux.testing.suite.lending import LendingTests
 from kvmux.testing.suite.lifecycle import LifecycleTests
 from kvmux.testing.suite.lookup import LookupTests
 from kvmux.testing.suite.missing import MissingKeyTests
@@ -55,6 +56,7 @@ class ConnectorSuite(
     StoredBlockIntegrityTests,
     CapacityTests,
     PublicationTests,
+    LendingTests,
     FaultToleranceTests,
     DeadlineTests,
     HostilePeerTests,
@@ -76,6 +78,7 @@ __all__ = [
     "DeadlineTests",
     "FaultToleranceTests",
     "HostilePeerTests",
+    "LendingTests",
     "LifecycleTests",
     "LookupTests",
     "MissingKeyTests",

@@ -66,4 +66,4 @@ class BadInputTests(SuiteBase):
         # A refused register leaves the connector usable.
         conn.register(good.layout, good.caches)
         keys = harness.keys(2)
-        assert conn.save(keys, [0, 1]).result(timeout=conn.config.timeout_s + 5).ok
+        assert conn.save(keys, [0, 1]).saved(conn.config.timeout_s + 5).ok
