@@ -41,12 +41,15 @@ pytestmark = pytest.mark.timeout(900)
         backend_param("tcp"),
         backend_param("nixl", "nixl"),
         backend_param("mooncake", "mooncake"),
+        backend_param("tcp-borrow"),
+        backend_param("nixl-borrow", "nixl"),
     ],
 )
 def pd_pair(
     request: Any, tiny_model_dir: str
 ) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
-    backend = {"backend": request.param}
+    name, _, mode = request.param.partition("-")
+    backend = {"backend": name, **({"save_mode": mode} if mode else {})}
     roles = (spec(tiny_model_dir, backend, role) for role in ("kv_producer", "kv_consumer"))
     with pd_engines(*roles) as (producer, consumer):
         yield request.param, producer, consumer

@@ -276,11 +276,12 @@ def test_an_aborted_prefill_releases_its_own_publication(engines, model_dir):
 
 
 class _HoldSaves(FaultWrapper):
-    """A zero-copy-like backend: a save ends only when its keys are released."""
+    """A backend that borrows blocks (``borrows_blocks``) at its simplest: a save
+    ends only when its keys are released."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
-        self.capabilities = dataclasses.replace(inner.capabilities, zero_copy=True)
+        self.capabilities = dataclasses.replace(inner.capabilities, borrows_blocks=True)
         self.pending: list[tuple[list[BlockKey], threading.Event]] = []
 
     def save(self, keys: list[BlockKey], block_ids: list[int]) -> Sequence[Outcome]:
@@ -405,3 +406,58 @@ def test_kvmux_counters_reach_prometheus_under_one_labelled_metric(engines, mode
     value = registry.get_sample_value
     assert value("vllm:kvmux_stat_total", {"engine": "0", "stat": "load_bytes"}) == 8192
     assert value("vllm:kvmux_stat_total", {"engine": "0", "stat": "child.1.fallbacks"}) == 2
+
+
+# ------------------------------------------------- borrowed blocks (save_mode borrow)
+
+BORROW = {"backend": "tcp", "save_mode": "borrow"}
+
+
+def _lent(engine: FakeEngine) -> float:
+    return engine.worker.worker_side.stats().get("lent_blocks", 0)
+
+
+def _step_until_clean(engine: FakeEngine, timeout_s: float = 10.0) -> None:
+    """Step until vLLM holds no request (a delayed free ends once the blocks are back)."""
+    _step_until(engine, lambda: not engine.scheduler.requests, timeout_s)
+
+
+def test_borrowed_blocks_reach_the_decode_and_return_once_it_has_them(engines, model_dir):
+    producer = _engine(engines, model_dir, BORROW, role="kv_producer")
+    consumer = _engine(engines, model_dir, BORROW, role="kv_consumer")
+    prompt = _prompt(3 * BLOCK + 5)
+    prefill = producer.add(prompt, max_tokens=1, params={"do_remote_decode": True})
+    producer.run(until=[prefill])
+    params = dict(producer.result(prefill).kv_transfer_params)
+    assert _lent(producer) == 4  # nothing copied: the engine's own blocks, held for the decode
+    assert producer.scheduler.requests, "vLLM freed blocks a consumer has yet to read"
+    req = consumer.add(prompt, max_tokens=4, params=params)
+    consumer.run()
+    assert len(consumer.tokens(req)) == 4  # the fake model checked every loaded block
+    assert consumer.worker.worker_side.connector.stats()["load_blocks_ok"] == 4
+    _step_until_clean(producer)
+    assert _lent(producer) == 0
+    _assert_clean(producer)
+    _assert_clean(consumer)
+
+
+def test_borrowed_blocks_nobody_pulls_return_at_the_lease_end(engines, model_dir):
+    extra = {**BORROW, "vllm": {"lease_s": 0.3}}
+    producer = _engine(engines, model_dir, extra, role="kv_producer")
+    req = producer.add(_prompt(2 * BLOCK + 1), max_tokens=1, params={"do_remote_decode": True})
+    producer.run(until=[req])
+    started = time.monotonic()
+    _step_until_clean(producer)
+    assert time.monotonic() - started >= 0.2
+    assert _lent(producer) == 0
+    _assert_clean(producer)
+
+
+def test_preempted_requests_give_borrowed_blocks_back_and_resume_on_correct_kv(engines, model_dir):
+    engine = _engine(engines, model_dir, BORROW, num_blocks=14)
+    reqs = [engine.add(_prompt(2 * BLOCK + 3, seed=s), max_tokens=3 * BLOCK) for s in range(4)]
+    engine.run(timeout_s=60)
+    assert all(len(engine.tokens(r)) == 3 * BLOCK for r in reqs)
+    assert engine.preempted, "the test must make vLLM preempt"
+    assert _lent(engine) == 0
+    _assert_clean(engine)

@@ -334,6 +334,11 @@ class SchedulerSide:
 
     def build_metadata(self, scheduler_output: Any) -> KvmuxMetadata:
         meta, self._next = self._next, KvmuxMetadata()
+        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
+        if self.backend.borrows_blocks:  # the worker gives their lent blocks back
+            for req_id in meta.preempted:
+                if (tracked := self._tracked.get(req_id)) is not None:
+                    tracked.saved, tracked.published = 0, False
         if self.can_save:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
             for req_id, count in scheduler_output.num_scheduled_tokens.items():
@@ -343,7 +348,6 @@ class SchedulerSide:
                         tracked.request.num_computed_tokens + count - len(spec.get(req_id, ()))
                     )
                     self._plan_saves(tracked, computed, meta)
-        meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         self._renewals(meta)
         return meta
 

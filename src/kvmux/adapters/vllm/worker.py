@@ -9,6 +9,11 @@ told to release them. A P/D prefill's saved blocks are then published (held by
 the backend for the consumer); the scheduler's renew and release notices for
 publications are passed to the backend as they come, never waited on.
 
+With a backend that borrows blocks (``save_mode: borrow``) a save copies
+nothing and ends only once the backend gives the blocks back; the worker gives
+back itself what no consumer will ask for: a finished request's unpublished
+keys, and everything of a preempted request (vLLM reuses its blocks at once).
+
 Each tensor-parallel rank has its own WorkerSide, holding its own heads under
 its own keys. A load from a prefill of the same TP size reads the prefill rank
 of this rank's number; from another TP size, the head slices of every prefill
@@ -56,6 +61,10 @@ class _Saves:
     keys: list[BlockKey] = field(default_factory=list)
     lease_ends: float | None = None
     released: bool = False
+    lease: str | None = None
+    """The request's publication, if its blocks were published."""
+    published: int = 0
+    """How many of ``keys`` the publication holds (those saved before it)."""
 
     def done(self) -> bool:
         return all(h.poll() for h in self.handles)
@@ -210,11 +219,24 @@ class WorkerSide:
         return self._staged.connector_for(compat.tp_size, rank)
 
     def wait_for_preempted(self, meta: KvmuxMetadata) -> None:
-        """Saves reading a preempted request's blocks must end before vLLM reuses them."""
+        """Saves reading a preempted request's blocks must end before vLLM reuses them.
+        Lent blocks are given back first: the request is recomputed and saved again."""
         for req_id in meta.preempted:
             saves = self._saves.get(req_id)
-            for handle in saves.handles if saves else ():
+            if saves is None:
+                continue
+            if self._borrows:
+                if saves.lease is not None:
+                    self.connector.unpublish([saves.lease])
+                self.connector.release(saves.keys)
+            for handle in saves.handles:
                 handle.wait(self.connector.config.timeout_s)
+            if self._borrows:
+                self._saves.pop(req_id, None)
+
+    @property
+    def _borrows(self) -> bool:
+        return self.connector.capabilities.borrows_blocks
 
     def start_saves(self, meta: KvmuxMetadata) -> None:
         for transfer in meta.saves:
@@ -231,22 +253,29 @@ class WorkerSide:
         now = time.monotonic()
         for req_id in meta.delay_freed:
             self._delay_freed.add(req_id)
-            self._saves.setdefault(req_id, _Saves()).lease_ends = now + self.options.lease_s
+            saves = self._saves.setdefault(req_id, _Saves())
+            saves.lease_ends = now + self.options.lease_s
+            if self._borrows and len(saves.keys) > saves.published:
+                # Lent blocks no consumer was given: back to vLLM now.
+                self.connector.release(saves.keys[saves.published :])
 
     def _wait_published(self, saves: _Saves) -> None:
         """vLLM hands the request's params to the decode side right after this step, so
         every save of the request must have ended: a decode may ask for the blocks at once.
 
-        Not for a zero-copy backend: its saves publish the blocks at once and end only
-        when a consumer has read them, which no consumer can do before it has the params.
+        Not for a backend that borrows blocks: its saves end only once a consumer is
+        done with them, which no consumer can be before it has the params (their
+        outcome is known at once, and a failed one leaves the keys for the consumer
+        to miss and recompute).
         """
-        if self.connector.capabilities.zero_copy:
+        if self._borrows:
             return
         for handle in saves.handles:
             handle.wait(self.connector.config.timeout_s)
 
     def _publish(self, req_id: str, saves: _Saves, lease: str) -> None:
         """Hold every block saved for the request for its consumer (``lease_s``)."""
+        saves.lease, saves.published = lease, len(saves.keys)
         try:
             self.connector.publish(saves.keys, lease, self.options.lease_s)
         except Exception as exc:  # the consumer may still find the blocks, or recompute
@@ -357,7 +386,7 @@ class WorkerSide:
     def close(self) -> None:
         for load in self._loads.values():
             load.handle.wait(self.connector.config.timeout_s)
-        for saves in self._saves.values():
+        for saves in self._saves.values() if not self._borrows else ():  # closing returns them
             for handle in saves.handles:
                 handle.wait(self.connector.config.timeout_s)
         live.withdraw(self.engine_id, self)
