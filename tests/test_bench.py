@@ -14,7 +14,7 @@ from kvmux.bench.transfer import (
     _save_load_seconds,
     bench_backend,
 )
-from kvmux.cli.bench import _table
+from kvmux.cli.bench import _runs, _table
 from kvmux.cli.main import main
 
 from support import kvmux_cli
@@ -161,3 +161,20 @@ def _memcpy_row(backend: str, shape: str, **figures: float) -> BenchRecord:
         ratio=gbps / 6.0,
         **figures,
     )
+
+
+def test_backends_that_can_borrow_blocks_are_measured_both_ways_by_default() -> None:
+    borrow = {"save_mode": "borrow"}
+    assert _runs(["cpu", "shm", "tcp"], {}) == [
+        ("cpu", {}),
+        ("shm", {}),
+        ("tcp", {}),
+        ("tcp", borrow),
+    ]
+    assert _runs(["tcp"], {"timeout_s": 5}) == [("tcp", {"timeout_s": 5})]
+
+
+def test_a_borrowing_run_is_timed_with_its_blocks_given_back_between_rounds() -> None:
+    records = bench_backend("tcp", TINY, repeats=2, config={"save_mode": "borrow"})
+    assert all(r.error is None and r.ratio for r in records), records
+    assert "tcp borrow" in _table(records)

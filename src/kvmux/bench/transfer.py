@@ -25,7 +25,8 @@ from kvmux.bench.shapes import Shape
 from kvmux.blocks import BlockCopier
 from kvmux.config import invent_paths
 from kvmux.connector import Connector
-from kvmux.keys import chain_keys
+from kvmux.handle import Handle
+from kvmux.keys import BlockKey, chain_keys
 from kvmux.registry.loader import config_model_for
 
 
@@ -270,18 +271,29 @@ def _save_load_seconds(
             if timed:
                 baseline(src, dst)
             t0 = time.perf_counter()
-            saved = producer.save(keys, src).result()
+            save = producer.save(keys, src)
+            saved = save.saved()
             t1 = time.perf_counter()
             loaded = consumer.load(keys, dst, source).result()
             t2 = time.perf_counter()
             if not (saved.ok and loaded.ok):
                 bad = (saved.not_ok + loaded.not_ok)[0]
                 raise RuntimeError(f"transfer incomplete: {bad[1].status} {bad[1].reason}")
+            if producer.capabilities.borrows_blocks and rep < warmup + rounds - 1:
+                _give_back(producer, keys, save)
             if timed:
                 saves.append(t1 - t0)
                 loads.append(t2 - t1)
         _check_last_batch(producer, consumer, src, dst)
         return statistics.median(saves), statistics.median(loads), source is not None
+
+
+def _give_back(producer: Connector, keys: list[BlockKey], save: Handle) -> None:
+    """Untimed, as the engine does it outside the consumer's wait: release the lent
+    blocks and wait until they are back (the next round lends them again)."""
+    producer.release(keys)
+    if not save.wait(producer.config.timeout_s):
+        raise RuntimeError("lent blocks did not come back within timeout_s")
 
 
 def _check_last_batch(
@@ -405,7 +417,7 @@ def lookup_ms(name: str, n: int = 10_000, config: Mapping[str, Any] | None = Non
     shape = Shape("lookup", blocks=n, layers=1, tokens=1, heads=1, head_dim=8)
     with _pair(name, shape, config or {}) as (producer, consumer, source):
         keys = chain_keys(range(n), 1, "lookup")
-        if not producer.save(keys, list(range(n))).result().ok:
+        if not producer.save(keys, list(range(n))).saved().ok:
             raise RuntimeError("saving the lookup keys failed")
         times = []
         for _ in range(5):

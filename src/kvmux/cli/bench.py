@@ -150,22 +150,23 @@ def run(args: argparse.Namespace) -> int:
     tqdm = _progress_bar()
     from kvmux.bench.transfer import bench_backend, lookup_ms
 
-    backends = args.backend or _available_connectors()
+    runs = _runs(args.backend or _available_connectors(), args.config)
     shapes = [SHAPES[name] for name in (args.shape or SHAPES)]
     records: list[BenchRecord] = []
-    with tqdm(total=len(backends) * (len(shapes) + 1), desc="kvmux bench", file=sys.stderr) as bar:
-        for backend in backends:
-            bar.set_postfix_str(f"{backend} lookup")
+    with tqdm(total=len(runs) * (len(shapes) + 1), desc="kvmux bench", file=sys.stderr) as bar:
+        for backend, config in runs:
+            label = _label(backend, config)
+            bar.set_postfix_str(f"{label} lookup")
             try:
-                lookup: float | None = round(lookup_ms(backend, config=args.config), 3)
+                lookup: float | None = round(lookup_ms(backend, config=config), 3)
             except Exception:
                 lookup = None
             bar.update()
             for shape in shapes:
-                bar.set_postfix_str(f"{backend} {shape.name}")
+                bar.set_postfix_str(f"{label} {shape.name}")
                 records += [
                     r.model_copy(update={"lookup_ms_10k": lookup})
-                    for r in bench_backend(backend, shape, args.repeats, args.config)
+                    for r in bench_backend(backend, shape, args.repeats, config)
                 ]
                 bar.update()
     if args.json:
@@ -173,6 +174,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_table(records))
     return 1 if any(r.error for r in records) else 0
+
+
+BORROW = {"save_mode": "borrow"}
+
+
+def _runs(backends: Sequence[str], config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each backend with ``config``; with none given, a backend that can borrow the
+    engine's blocks (``save_mode: borrow``) is measured both ways, side by side."""
+    if config:
+        return [(backend, config) for backend in backends]
+    return [run for backend in backends for run in [(backend, {}), *_borrowing(backend)]]
+
+
+def _borrowing(backend: str) -> list[tuple[str, dict[str, Any]]]:
+    from kvmux.registry.loader import config_model_for
+
+    try:
+        config_model_for(backend).model_validate({"backend": backend, **BORROW})
+    except (KvmuxError, ValueError):
+        return []
+    return [(backend, dict(BORROW))]
+
+
+def _label(backend: str, config: dict[str, Any] | None) -> str:
+    """The row's name: the backend, marked where it borrows blocks."""
+    return f"{backend} borrow" if (config or {}).get("save_mode") == "borrow" else backend
 
 
 def _run_multi(args: argparse.Namespace) -> int:
@@ -279,18 +306,19 @@ def _available_connectors() -> list[str]:
 
 def _table(records: Sequence[BenchRecord]) -> str:
     head = (
-        f"{'backend':<10} {'shape':<11} {'GB/s':>6} {'save':>6} {'load':>6}  "
+        f"{'backend':<15} {'shape':<11} {'GB/s':>6} {'save':>6} {'load':>6}  "
         f"{'baseline':<8} {'GB/s':>6} {'ratio':>6} {'added':>10} {'lookup10k':>10}"
     )
     lines = [head, "-" * len(head)]
     for rec in records:
+        name = _label(rec.backend, rec.config)
         if rec.error:
-            lines.append(f"{rec.backend:<10} {rec.shape:<11} error: {rec.error}")
+            lines.append(f"{name:<15} {rec.shape:<11} error: {rec.error}")
             continue
         lookup = f"{rec.lookup_ms_10k:.2f} ms" if rec.lookup_ms_10k is not None else "-"
         added = f"{rec.added_us:.0f} us" if rec.added_us is not None else "-"
         lines.append(
-            f"{rec.backend:<10} {rec.shape:<11} {rec.gbps:>6.2f} {rec.save_gbps:>6.2f} "
+            f"{name:<15} {rec.shape:<11} {rec.gbps:>6.2f} {rec.save_gbps:>6.2f} "
             f"{rec.load_gbps:>6.2f}  {rec.baseline:<8} {rec.baseline_gbps:>6.2f} {rec.ratio:>6.2f} "
             f"{added:>10} {lookup:>10}"
         )
@@ -303,15 +331,17 @@ def _table(records: Sequence[BenchRecord]) -> str:
         # time is mostly a thread's wake-up)
         many = rec.blocks > 1 and rec.baseline == "memcpy"
         if many and rec.copy_gbps and rec.gbps is not None:
+            name = _label(rec.backend, rec.config)
             lines.append(
-                f"{rec.backend} {rec.shape}: the same scattered blocks through kvmux's copy "
+                f"{name} {rec.shape}: the same scattered blocks through kvmux's copy "
                 f"kernel alone {rec.copy_gbps:.2f} GB/s ({rec.copy_gbps / rec.baseline_gbps:.2f}x "
-                f"memcpy); {rec.backend} {rec.gbps / rec.copy_gbps:.2f}x the kernel"
+                f"memcpy); {name} {rec.gbps / rec.copy_gbps:.2f}x the kernel"
             )
     other = [r for r in records if r.load_us_other_process is not None and r.baseline == "memcpy"]
     for rec in other:
         lines.append(
-            f"{rec.backend}: a one-block load from a producer in another process takes "
+            f"{_label(rec.backend, rec.config)}: a one-block load from a producer in "
+            "another process takes "
             f"{rec.load_us_other_process:.0f} us (median), "
             f"{rec.load_cpu_us_other_process:.0f} us of CPU in the two processes; "
             f"a loopback round trip between two processes, {rec.round_trip_us:.0f} us"
@@ -319,7 +349,8 @@ def _table(records: Sequence[BenchRecord]) -> str:
     for rec in records:  # the transport alone, without the save's copy into the pool
         if rec.baseline_load_gbps and rec.load_gbps is not None:
             lines.append(
-                f"{rec.backend} {rec.shape}: its load alone {rec.load_gbps:.2f} GB/s, raw "
+                f"{_label(rec.backend, rec.config)} {rec.shape}: its load alone "
+                f"{rec.load_gbps:.2f} GB/s, raw "
                 f"{rec.baseline}'s read alone {rec.baseline_load_gbps:.2f} GB/s "
                 f"({rec.load_gbps / rec.baseline_load_gbps:.2f}x)"
             )
