@@ -11,12 +11,22 @@ closed. A handle that never ends is a block the engine can never reuse.
 
 from __future__ import annotations
 
+from kvmux.handle import Handle
+from kvmux.keys import BlockKey
 from kvmux.publications import new_lease_id
-from kvmux.testing.harness import Harness, summary
+from kvmux.testing.harness import Harness, Pair, summary
 from kvmux.testing.requirements import requires
 from kvmux.testing.suite.base import SuiteBase
 
 SHORT_LEASE_S = 0.5
+
+
+def _lend(pair: Pair, keys: list[BlockKey], blocks: list[int]) -> Handle:
+    """Save ``keys`` from ``blocks``, requiring every key ok; the still-open handle."""
+    handle = pair.saver.save(keys, blocks)
+    result = handle.saved(pair.bound_s)
+    assert result.ok, summary(result)
+    return handle
 
 
 class LendingTests(SuiteBase):
@@ -27,8 +37,7 @@ class LendingTests(SuiteBase):
     def test_a_lent_save_ends_once_its_keys_are_released(self, harness: Harness) -> None:
         pair = harness.pair()
         keys = harness.keys(3)
-        handle = pair.saver.save(keys, [0, 1, 2])
-        assert handle.saved(pair.bound_s).ok, summary(handle.saved(0))
+        handle = _lend(pair, keys, [0, 1, 2])
         assert not handle.wait(0.2), "a lent save ended while its keys still name the blocks"
         pair.saver.release(keys[:2])
         assert not handle.wait(0.2), "a lent save ended with one of its blocks still lent"
@@ -50,8 +59,7 @@ class LendingTests(SuiteBase):
     def test_saving_a_block_under_a_new_key_gives_the_old_key_up(self, harness: Harness) -> None:
         pair = harness.pair()
         old, new = harness.keys(1), harness.keys(1)
-        first = pair.saver.save(old, [3])
-        assert first.saved(pair.bound_s).ok
+        first = _lend(pair, old, [3])
         pair.src.fill_random([3])  # the engine reused the block for other tokens...
         expected = pair.save_all(new, [3])  # ...and saved it again
         assert first.wait(pair.bound_s), "the block's first save never ended"
@@ -62,8 +70,7 @@ class LendingTests(SuiteBase):
     def test_a_publication_gives_its_blocks_back_when_it_ends(self, harness: Harness) -> None:
         pair = harness.pair()
         keys = harness.keys(2)
-        handle = pair.saver.save(keys, [6, 7])
-        assert handle.saved(pair.bound_s).ok
+        handle = _lend(pair, keys, [6, 7])
         lease = new_lease_id()
         pair.saver.publish(keys, lease, 60.0)
         pair.saver.unpublish([lease])
@@ -73,8 +80,7 @@ class LendingTests(SuiteBase):
     def test_an_expired_publication_gives_its_blocks_back(self, harness: Harness) -> None:
         pair = harness.pair()
         keys = harness.keys(2)
-        handle = pair.saver.save(keys, [8, 9])
-        assert handle.saved(pair.bound_s).ok
+        handle = _lend(pair, keys, [8, 9])
         pair.saver.publish(keys, new_lease_id(), SHORT_LEASE_S)
         assert not handle.wait(SHORT_LEASE_S / 2), "blocks came back before the lease ended"
         # Nobody touches the backend meanwhile: expiry must not wait for a caller.
@@ -84,8 +90,7 @@ class LendingTests(SuiteBase):
     def test_closing_gives_every_lent_block_back(self, harness: Harness) -> None:
         pair = harness.pair()
         keys = harness.keys(2)
-        handle = pair.saver.save(keys, [10, 11])
-        assert handle.saved(pair.bound_s).ok
+        handle = _lend(pair, keys, [10, 11])
         pair.saver.close()
         assert handle.wait(pair.bound_s), "a closed backend still holds the engine's blocks"
         assert not handle.cancel()
