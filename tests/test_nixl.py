@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("nixl")
 
 from kvmux.backends.nixl import NixlBackend
 from kvmux.connector import Connector
+from kvmux.keys import chain_keys
 from kvmux.registry import create_connector, entries
 from kvmux.testing.configs import registry_factory
 from kvmux.testing.cross_process import Consumer, CrossProcessTests, open_consumer
@@ -100,6 +102,32 @@ def test_an_idle_agent_burns_no_core() -> None:
         assert busy < 0.2, f"idle connector used {busy:.0%} of a core"
     finally:
         conn.connector.close()
+
+
+def test_a_stuck_consumers_pin_ends_at_lease_s_by_the_transport_alone() -> None:
+    """A consumer that located blocks and then went silent (no READ, no unpin, its
+    connection open) holds them ``lease_s``; the transport ends that pin, agent hold
+    included, and the store's own reaper leaves it to the transport."""
+    lease_s = 0.3
+    owner = open_consumer({**CONFIG, "lease_s": lease_s}, num_blocks=4)
+    try:
+        keys = chain_keys(range(4 * 16), 16, "stuck")
+        assert owner.connector.save(keys, [0, 1, 2, 3]).result().ok
+        backend = owner.connector.backend
+        assert isinstance(backend, NixlBackend)
+        transport, store = backend.transport, backend.transport.store
+        silent = SimpleNamespace(leases=set())
+        with store.lock:
+            rows = store.find_rows(keys)
+            transport.pin(rows, silent)  # type: ignore[arg-type]
+            store.slots.reap(time.monotonic() + 3600)
+            assert store.slots.pinned == 4, "the store's reaper ended the transport's pin"
+        assert owner.connector.stats()["nixl_leases"] == 1
+        wait_until(lambda: owner.connector.stats()["nixl_leases"] == 0, lease_s + P2P_TIMEOUT_S)
+        assert store.slots.pinned == 0 and not silent.leases
+        assert transport.agent._holds == 0
+    finally:
+        owner.connector.close()
 
 
 def test_listing_shows_nixl_available_here_and_the_hint_without_it(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import threading
 import time
 from typing import Any
@@ -150,9 +151,13 @@ class NixlTransport(PinnedTransport):
     def pin(self, rows: Rows, session: Session) -> int:
         """The base pin, expired by this transport's pump and keeping it progressing
         while held: a new peer's first READ waits for this agent's answer (UCX's
-        wire-up), and over UCX's ``tcp`` (no one-sided reads) every READ does."""
+        wire-up), and over UCX's ``tcp`` (no one-sided reads) every READ does.
+
+        The store's lease never expires by itself: the store's reaper would end it
+        behind this transport's back, and only ``_end_lease`` also ends the agent's
+        hold and forgets the session's pin."""
         expires = time.monotonic() + self.config.lease_s
-        lease = self.store.slots.lease(rows, expires)
+        lease = self.store.slots.lease(rows, math.inf)
         self._leases[lease] = (expires, session)
         session.leases.add(lease)
         self.agent.hold()
