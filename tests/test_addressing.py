@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmux.addressing import SMALL_BATCH, BlockAddressing, index_runs, row_runs
+from kvmux.addressing import SMALL_BATCH, BlockAddressing, index_runs, row_ranges, row_runs
 from kvmux.blocks import BlockCopier
 from kvmux.layout import KVLayout
 
@@ -85,6 +85,51 @@ def test_ranges_move_exactly_the_bytes_block_copier_copies(
     _read_like_a_transport(addressing, pool, blocks, rows)
     for name, tensor in caches.items():
         assert torch.equal(tensor.view(torch.uint8), expected[name].view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("block_dim", "shape"),
+    [(0, (12, 2, 16, 2, 8)), (1, (2, 12, 16, 2, 8))],
+    ids=["block-major", "kv-split"],
+)
+def test_a_batchs_ranges_read_in_order_are_its_blocks_serialized(
+    block_dim: int, shape: tuple[int, ...]
+) -> None:
+    """What a socket gather write of ``ranges(blocks)`` sends is ``copy_out`` of those
+    blocks, row after row: the stream a tcp consumer scatters back."""
+    gen = torch.Generator().manual_seed(2)
+    caches = {f"l{i}": torch.randn(shape, generator=gen).half() for i in range(3)}
+    layout = KVLayout.from_caches(caches, 16, block_dim=block_dim)
+    addressing = BlockAddressing.of(layout, caches)
+    assert addressing is not None
+    blocks = [4, 5, 6, 0, 11, 3]
+    expected = torch.empty((len(blocks), layout.block_nbytes), dtype=torch.uint8)
+    BlockCopier(layout, caches).copy_out(blocks, expected)
+    table = addressing.ranges(blocks)
+    assert table.dtype == np.uint64 and table.shape[1] == 2
+    sent = torch.empty(int(table[:, 1].sum()), dtype=torch.uint8)
+    at = sent.data_ptr()
+    for address, length in table.tolist():
+        ctypes.memmove(at, address, length)
+        at += length
+    assert torch.equal(sent, expected.view(-1))
+
+
+def test_consecutive_blocks_of_a_single_piece_layout_are_one_range() -> None:
+    caches = make_caches(num_blocks=16, layers=1)
+    addressing = _addressing(caches)
+    n = addressing.block_nbytes
+    kv = caches["layer.0"]
+    assert addressing.ranges([3, 4, 5, 9]).tolist() == [
+        [kv[3].data_ptr(), 3 * n],
+        [kv[9].data_ptr(), n],
+    ]
+    assert addressing.ranges([]).shape == (0, 2)
+
+
+def test_row_ranges_merge_consecutive_rows_and_keep_their_order() -> None:
+    assert row_ranges(1000, [2, 3, 4, 0, 7], 10).tolist() == [[1020, 30], [1000, 10], [1070, 10]]
+    assert row_ranges(1000, [], 10).shape == (0, 2)
 
 
 def _reference_runs(

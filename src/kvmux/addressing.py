@@ -153,6 +153,16 @@ class BlockAddressing:
         fixes every piece's step) all a peer needs to address any block here."""
         return [int(start) for start in self._start]
 
+    def ranges(self, blocks: Ids) -> Addresses:
+        """``blocks`` in serialized form, one block after the other, as ``[n, 2]``
+        rows of (address, length) in KV memory; ranges that continue one another
+        (consecutive blocks of a single-piece layout) merged into one. What a
+        socket scatter read or gather write of those blocks walks."""
+        b = np.asarray(blocks, dtype=np.uint64)[:, None]
+        start = (self._start + b * self._step).reshape(-1)
+        length = np.broadcast_to(self._length, (len(b), len(self.pieces))).reshape(-1)
+        return _merged(start, length)
+
     def runs(self, blocks: Ids, rows: Ids, row_base: int) -> Runs:
         """Every piece of ``blocks[i]`` paired with its place in row ``rows[i]`` of a
         pool of ``block_nbytes``-wide rows at address ``row_base``, block by block,
@@ -274,3 +284,22 @@ def _short_row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
             runs.append((int(rows[start]), start, i - start))
             start = i
     return runs
+
+
+def row_ranges(base: int, rows: Ids, width: int) -> Addresses:
+    """Rows ``rows`` of a table of ``width``-byte rows at address ``base``, in that
+    order, as ``[n, 2]`` rows of (address, length), consecutive rows merged."""
+    start = np.uint64(base) + np.asarray(rows, dtype=np.uint64) * np.uint64(width)
+    return _merged(start, np.full(len(start), width, dtype=np.uint64))
+
+
+def _merged(start: Addresses, length: Addresses) -> Addresses:
+    """``[n, 2]`` (address, length) rows of the ranges given, in order, each merged
+    into the one before where it starts at that one's end."""
+    keep = np.ones(len(start), dtype=bool)
+    keep[1:] = start[1:] != start[:-1] + length[:-1]
+    first = np.flatnonzero(keep)
+    table = np.empty((len(first), 2), dtype=np.uint64)
+    table[:, 0] = start[first]
+    table[:, 1] = np.add.reduceat(length, first) if len(first) else length
+    return table

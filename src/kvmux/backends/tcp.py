@@ -3,8 +3,8 @@
 The cross-host default. One ``fetch`` request names a whole batch of keys;
 the producer answers which it has, pins their slots and streams them with
 gather writes straight from the pool (no copy of ours on the way out); the
-consumer scatters them with ``recvmsg_into`` straight into the blocks' byte
-ranges of KV memory (:mod:`kvmux.net.kv_views`), or, for memory that is not
+consumer scatters them with one ``recvmsg`` per 1024 ranges straight into the
+blocks' byte ranges of KV memory (:mod:`kvmux.net.kv_views`), or, for memory that is not
 plain contiguous host memory, into a reused staging buffer that is copied
 into the blocks in runs. With ``save_mode: borrow`` the producer gathers
 straight from the blocks' ranges of its own KV memory instead of a pool. A
@@ -21,12 +21,13 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kvmux.addressing import row_runs
+from kvmux.addressing import SMALL_BATCH, row_ranges, row_runs
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, LayoutError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
 from kvmux.net.client import Link
+from kvmux.net.iovec import IoVecs
 from kvmux.net.kv_views import KVViews
 from kvmux.net.memory import byte_view
 from kvmux.net.messages import HEADER_SLACK, Blocks, FetchReply, FetchRequest, Message, expect
@@ -52,6 +53,7 @@ class TcpTransport(PullTransport):
 
     def __init__(self, config: ServedPoolConfig, store: PoolStore) -> None:
         super().__init__(config, store)
+        self._pool: torch.Tensor | None = None
         self._pool_bytes: memoryview | None = None
         self._kv: KVViews | None = None
         self._staging = threading.local()
@@ -75,7 +77,7 @@ class TcpTransport(PullTransport):
         # zeros, not empty: the pages are committed now (the bound is real memory)
         # and no save pays for page faults.
         pool = torch.zeros((slots, block_nbytes), dtype=torch.uint8)
-        self._pool_bytes = byte_view(pool)
+        self._pool, self._pool_bytes = pool, byte_view(pool)
         return pool
 
     # ------------------------------------------------------------------ producer
@@ -94,7 +96,7 @@ class TcpTransport(PullTransport):
         with store.lock:
             rows = store.find_rows(store.slots.stored_keys(runs))
             serving = store.is_open
-            pool = self._pool_bytes
+            pool, pool_bytes = self._pool, self._pool_bytes
             hit = rows >= 0
             found = rows[hit].tolist()
             store.slots.pin(found)
@@ -109,7 +111,7 @@ class TcpTransport(PullTransport):
                 chunk = found[first : first + per_frame]
                 session.send(
                     Blocks(first=first, count=len(chunk), nbytes=len(chunk) * nbytes),
-                    self._views(pool, chunk, nbytes),
+                    self._payload(pool, pool_bytes, chunk, nbytes),
                     deadline=deadline,
                 )
         finally:
@@ -117,14 +119,27 @@ class TcpTransport(PullTransport):
                 store.slots.unpin(found)
             store.settle()
 
-    def _views(self, pool: memoryview | None, slots: list[int], nbytes: int) -> list[memoryview]:
+    def _payload(
+        self,
+        pool: torch.Tensor | None,
+        pool_bytes: memoryview | None,
+        slots: list[int],
+        nbytes: int,
+    ) -> IoVecs | list[memoryview]:
         """The bytes of ``slots``: rows of ``pool``, or with no pool (lending) the
-        blocks' ranges of KV memory. Sent as they lie, however small: gathering 16 KiB
-        blocks into one buffer first made a 4096-block fetch half as fast."""
-        if pool is not None:
-            return _rows(pool, slots, nbytes)
-        assert self._kv is not None
-        return self._kv.views(slots)
+        blocks' ranges of KV memory, as :meth:`KVViews.payload` chooses. Sent as
+        they lie, however small: gathering 16 KiB blocks into one buffer first made
+        a 4096-block fetch half as fast."""
+        if pool is None:
+            assert self._kv is not None
+            return self._kv.payload(slots)
+        if len(slots) >= SMALL_BATCH:
+            return IoVecs(row_ranges(pool.data_ptr(), slots, nbytes), pool)
+        assert pool_bytes is not None
+        return [
+            pool_bytes[first * nbytes : (first + count) * nbytes]
+            for first, _, count in row_runs(slots, len(slots))
+        ]
 
     # ------------------------------------------------------------------ consumer
 
@@ -176,15 +191,14 @@ class TcpTransport(PullTransport):
             end = done + frame.count
             while done < end:
                 staging: torch.Tensor | None = None
+                views: IoVecs | list[memoryview]
                 if self._kv is not None:
                     group = blocks[done:end]
-                    views = self._kv.views(group)
+                    views = self._kv.payload(group)
                 else:
                     staging, staging_bytes = self._staging_buffer(nbytes)
                     group = blocks[done : min(end, done + staging.shape[0])]
-                    views = [
-                        staging_bytes[i * nbytes : (i + 1) * nbytes] for i in range(len(group))
-                    ]
+                    views = [staging_bytes[: len(group) * nbytes]]
                 before = chan.bytes_delivered
                 try:
                     chan.recv_into(views, deadline)
@@ -209,7 +223,7 @@ class TcpTransport(PullTransport):
         return staging, view
 
     def close(self) -> None:
-        self._pool_bytes = None
+        self._pool = self._pool_bytes = None
 
 
 class TcpBackend(ServedPoolBackend):
@@ -218,14 +232,6 @@ class TcpBackend(ServedPoolBackend):
     config_model = TcpConfig
     config: TcpConfig
     transport_type = TcpTransport
-
-
-def _rows(pool: memoryview, slots: list[int], nbytes: int) -> list[memoryview]:
-    """Views of the pool rows ``slots``, consecutive slots merged into one view."""
-    return [
-        pool[first * nbytes : (first + count) * nbytes]
-        for first, _, count in row_runs(slots, len(slots))
-    ]
 
 
 def _outcomes(found: bytes, arrived: int, reason: str) -> list[Outcome]:

@@ -8,7 +8,8 @@ bytes arrive: a peer that announces a large header and stalls holds no more
 memory than it has sent (an up-front buffer of the announced size let 200
 stalled connections cost a server 200 MB). Payloads go straight between the
 socket and their final memory with scatter/gather ``recvmsg_into``/``sendmsg``,
-so a block crosses the socket without a copy of ours. Anything that is not a
+so a block crosses the socket without a copy of ours: given as memoryviews, or,
+for thousands of pieces, as one table of addresses (:mod:`kvmux.net.iovec`). Anything that is not a
 well-formed frame within the limits is a :class:`~kvmux.errors.ProtocolError`
 and the channel is unusable afterwards.
 
@@ -28,6 +29,7 @@ and sent with one ``sendmsg``, instead of a poll and a call per segment.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import socket
 import struct
 import time
@@ -35,16 +37,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 from pydantic import ValidationError
 
 from kvmux.errors import ProtocolError, TransferError, TransferTimeout
+from kvmux.net import iovec
+from kvmux.net.iovec import IoVecs
 from kvmux.net.messages import Message, WireProtocol
 
 MAGIC = b"KVMX"
 PREFIX = struct.Struct("!4sI")
 READ_AHEAD = 16 * 1024
 """Read-ahead of a channel whose peer is known (after the handshake)."""
-_IOV_MAX = 1024
 _PAGE = 4096
 ALIGN_MIN_PAYLOAD = 64 * 1024
 """Payloads at least this big start page-aligned in the stream (see above)."""
@@ -103,8 +107,10 @@ class Channel:
 
     # ---------------------------------------------------------------- sending
 
-    def send(self, msg: Message, payload: Sequence[memoryview] = (), *, deadline: float) -> None:
-        """Send one frame: ``msg`` then the ``payload`` buffers back to back."""
+    def send(
+        self, msg: Message, payload: Sequence[memoryview] | IoVecs = (), *, deadline: float
+    ) -> None:
+        """Send one frame: ``msg`` then the ``payload`` buffers (or ranges) back to back."""
         header = self._protocol.dump_json(msg)
         if msg.payload_nbytes() >= ALIGN_MIN_PAYLOAD:
             start = self.bytes_sent + PREFIX.size + len(header)
@@ -114,16 +120,34 @@ class Channel:
                 f"{msg.__class__.__name__} header of {len(header)} bytes exceeds "
                 f"max_header_bytes={self.limits.max_header_bytes}"
             )
-        nbytes = sum(view.nbytes for view in payload)
+        if isinstance(payload, IoVecs):
+            nbytes = payload.nbytes
+        else:
+            nbytes = sum(view.nbytes for view in payload)
         if nbytes != msg.payload_nbytes():
             raise ValueError(f"payload of {nbytes} bytes, header says {msg.payload_nbytes()}")
-        self._sendv([PREFIX.pack(MAGIC, len(header)) + header, *payload], deadline)
+        prefix = PREFIX.pack(MAGIC, len(header)) + header
+        if isinstance(payload, IoVecs):
+            self._send_table(prefix, payload, deadline)
+        else:
+            self._sendv([prefix, *payload], deadline)
+
+    def _send_table(self, prefix: bytes, payload: IoVecs, deadline: float) -> None:
+        head = np.frombuffer(prefix, dtype=np.uint8)  # alive until the last send
+        table: iovec.Table = np.empty((len(payload.table) + 1, 2), dtype=np.uint64)
+        table[0] = (head.ctypes.data, len(prefix))
+        table[1:] = payload.table
+        table = table[table[:, 1] > 0]
+        while len(table):
+            sent = self._io(partial(iovec.send, self.sock, table), socket.SO_SNDTIMEO, deadline)
+            self.bytes_sent += sent
+            table = iovec.advance(table, sent)
 
     def _sendv(self, buffers: list[bytes | memoryview], deadline: float) -> None:
         pending = [memoryview(b).cast("B") for b in buffers if len(b)]
         i = 0
         while i < len(pending):
-            batch = pending[i : i + _IOV_MAX]
+            batch = pending[i : i + iovec.IOV_MAX]
             sent = self._io(partial(self.sock.sendmsg, batch), socket.SO_SNDTIMEO, deadline)
             self.bytes_sent += sent
             while sent:
@@ -185,8 +209,12 @@ class Channel:
             )
         return msg
 
-    def recv_into(self, views: Sequence[memoryview], deadline: float | None) -> None:
-        """Fill ``views`` (flat ``"B"`` memoryviews) in order with the next payload bytes."""
+    def recv_into(self, views: Sequence[memoryview] | IoVecs, deadline: float | None) -> None:
+        """Fill ``views`` (flat ``"B"`` memoryviews, or ranges) in order with the next
+        payload bytes."""
+        if isinstance(views, IoVecs):
+            self._recv_table(views.table, deadline)
+            return
         pending = [v for v in views if v.nbytes]
         i = 0
         while i < len(pending) and self._start < self._end:
@@ -198,7 +226,7 @@ class Channel:
             if not pending[i].nbytes:
                 i += 1
         while i < len(pending):
-            batch = pending[i : i + _IOV_MAX]
+            batch = pending[i : i + iovec.IOV_MAX]
             got = self._io(partial(_recv_all, self.sock, batch), socket.SO_RCVTIMEO, deadline)
             self.bytes_received += got
             self.bytes_delivered += got
@@ -209,6 +237,27 @@ class Channel:
                 else:
                     pending[i] = pending[i][got:]
                     got = 0
+
+    def _recv_table(self, table: iovec.Table, deadline: float | None) -> None:
+        table = table[table[:, 1] > 0]
+        buffered = self._end - self._start
+        if buffered and len(table):
+            ahead = np.frombuffer(self._view, dtype=np.uint8)[self._start : self._end]
+            ends = np.cumsum(table[:, 1])
+            take = min(buffered, int(ends[-1]))
+            at = 0
+            for address, length in table[: int(np.searchsorted(ends, take)) + 1].tolist():
+                n = min(length, take - at)
+                ctypes.memmove(address, ahead.ctypes.data + at, n)
+                at += n
+            self._start += take
+            self.bytes_delivered += take
+            table = iovec.advance(table, take)
+        while len(table):
+            got = self._io(partial(iovec.recv, self.sock, table), socket.SO_RCVTIMEO, deadline)
+            self.bytes_received += got
+            self.bytes_delivered += got
+            table = iovec.advance(table, got)
 
     def _read_exact(self, n: int, deadline: float | None) -> bytes:
         """The next ``n`` bytes of the stream, gathered through the read-ahead buffer as

@@ -32,6 +32,7 @@ from typing import Any
 from kvmux.errors import KvmuxError, ProtocolError, TransferError, TransferTimeout
 from kvmux.net.frames import Channel, Limits
 from kvmux.net.handshake import HANDSHAKE_READ_AHEAD, PeerInfo, Terms, serve_handshake
+from kvmux.net.iovec import IoVecs
 from kvmux.net.local import HAS_ABSTRACT_SOCKETS, listen_unix
 from kvmux.net.messages import PEER_PROTOCOL, Error, Message, Service, check_service
 
@@ -91,7 +92,11 @@ class Session:
         self.refusal_known = False
 
     def send(
-        self, msg: Message, payload: Sequence[memoryview] = (), *, deadline: float | None = None
+        self,
+        msg: Message,
+        payload: Sequence[memoryview] | IoVecs = (),
+        *,
+        deadline: float | None = None,
     ) -> None:
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
