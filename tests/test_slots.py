@@ -126,11 +126,18 @@ def test_batches_match_the_per_key_algorithm(seed: int, by_digest: bool) -> None
             lease, found = leases.pop(rng.randrange(len(leases)))
             table.end_lease(lease)
             model.pins.subtract(found)
-        else:  # release (while pinned is covered below, not by the model)
-            key = rng.choice(universe)
-            if key in model.where and model.pins[model.where[key]] <= 0:
-                table.release(key)
-                model.remove(key)
+        else:  # release, one key or a batch (while pinned: covered below, not by the model)
+            free = [k for k in universe if k not in model.where or model.pins[model.where[k]] <= 0]
+            batch = rng.sample(free, min(len(free), rng.randint(1, 4)))
+            if batch and rng.random() < 0.3:
+                batch.append(batch[0])  # a key listed twice is released once
+            if len(batch) == 1:
+                table.release(batch[0])
+            else:
+                table.release_many(batch)
+            for key in dict.fromkeys(batch):
+                if key in model.where:
+                    model.remove(key)
         assert state(table) == list(model.where.items())
         assert table._lru._free == model.free
         assert table.evictions == model.evictions
@@ -184,6 +191,19 @@ def test_lease_expiry_unpins_and_frees_released_keys() -> None:
     assert table.pinned == 1
     table.reap(now=11.0)
     assert table.pinned == 0 and table._lru._free == [0]  # a went with its last pin
+
+
+def test_a_batch_release_frees_the_unpinned_keys_and_hides_the_pinned_ones() -> None:
+    table = PinnedSlots(4)
+    a, b, c, d = keys(4)
+    save(table, [a, b, c, d])
+    lease = table.lease(table.find_many([b, d]).tolist(), expires=1e18)
+    table.release_many([a, b, keys(1, "absent")[0], d, a])
+    assert [k in table for k in (a, b, c, d)] == [False, False, True, False]
+    assert table._lru._free == [0]  # only a's slot: b's and d's are still read
+    assert table.find_many([b, d]).tolist() == [-1, -1]
+    table.end_lease(lease)
+    assert sorted(table._lru._free) == [0, 1, 3] and len(table) == 1
 
 
 def test_keep_takes_back_a_key_released_while_pinned() -> None:

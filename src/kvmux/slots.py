@@ -177,6 +177,12 @@ class SlotPool:
             self._unindex([key])
             self._free.append(slot)
 
+    def remove_many(self, keys: Sequence[BlockKey]) -> None:
+        """``remove`` of stored, distinct ``keys``, without Python code per key."""
+        slots = list(map(self._where.pop, keys))
+        self._unindex(keys)
+        self._free.extend(slots)
+
     def _index(self, keys: Sequence[BlockKey]) -> None:
         if self._by_digest is None:
             return
@@ -320,15 +326,28 @@ class PinnedSlots:
         return self._lru.allocate_many(keys, protected)
 
     def release(self, key: BlockKey) -> None:
-        if key not in self._lru:
+        self.release_many([key])
+
+    def release_many(self, keys: Iterable[BlockKey]) -> None:
+        """Drop ``keys`` (the stored ones; a key listed twice counts once): a key whose
+        slot is pinned disappears for lookups at once and keeps its slot until the
+        last pin goes, the others free their slots now. A release of thousands of
+        keys (a finished request's blocks) does no Python work per key."""
+        where = self._lru._where
+        unique = list(dict.fromkeys(keys))
+        stored = list(compress(unique, map(where.__contains__, unique)))
+        if not stored:
             return
-        slot = self._lru.get(key)
-        assert slot is not None
-        if self._pins[slot] > 0:
-            self._released[slot] = key
-            self._released_keys.add(key)
-        else:
-            self._lru.remove(key)
+        if not self._pin_total:
+            self._lru.remove_many(stored)
+            return
+        slots = np.fromiter(map(where.__getitem__, stored), np.int64, len(stored))
+        pinned = (self._pins[slots] > 0).tolist()
+        if any(pinned):
+            held = list(compress(stored, pinned))
+            self._released.update(zip(slots[np.flatnonzero(pinned)].tolist(), held, strict=True))
+            self._released_keys.update(held)
+        self._lru.remove_many(list(compress(stored, map(not_, pinned))))
 
     def pin(self, slots: Sequence[int] | SlotArray) -> None:
         idx = np.asarray(slots, dtype=np.int64)
@@ -353,10 +372,11 @@ class PinnedSlots:
 
     def _free_released(self, unpinned: SlotArray) -> None:
         """Remove the keys released while pinned whose slots are now unpinned."""
-        for slot in [s for s in unpinned.tolist() if s in self._released]:
-            key = self._released.pop(slot)
-            self._released_keys.discard(key)
-            self._lru.remove(key)
+        released = self._released
+        slots = filter(released.__contains__, dict.fromkeys(unpinned.tolist()))
+        keys = list(map(released.pop, list(slots)))
+        self._released_keys.difference_update(keys)
+        self._lru.remove_many(keys)
 
     def lease(self, slots: Sequence[int] | SlotArray, expires: float) -> int:
         """Pin ``slots`` until ``end_lease`` or the monotonic time ``expires``."""
@@ -494,10 +514,8 @@ class LentSlots(PinnedSlots):
         _add_counts(self._published, rows, -1)
         super().end_lease(lease)
         key_at = self._lent.key_at
-        for slot in rows[self._published[rows] <= 0].tolist():
-            key = key_at.get(slot)
-            if key is not None:
-                self.release(key)
+        unheld = rows[self._published[rows] <= 0].tolist()
+        self.release_many(filter(None, map(key_at.get, unheld)))
 
     def take_freed(self) -> list[int]:
         """The blocks returned since the last call."""

@@ -20,6 +20,7 @@ thread reaps every :data:`REAP_INTERVAL_S`, and ends with the store.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ REAP_INTERVAL_S = 0.1
 block stays lent past its lease."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: collect counts the blocks back per wait
 class _Wait:
     future: Future[None]
     left: int
@@ -74,15 +75,21 @@ class Returns:
         """The futures whose last block came back since the last call (to complete
         once the lock is released). A block lent again since, under a new key, came
         back all the same: the waits on it are older than the new lending."""
+        freed = slots.take_freed()
+        if self._more:  # rare: some block is waited on by more than one save
+            back: Counter[_Wait] = Counter()
+            for block in freed:
+                first = self._first.pop(block, None)
+                if first is not None:
+                    back.update((first, *self._more.pop(block, ())))
+        else:  # one wait per block: counted without Python code per block
+            pop: Callable[[int, None], _Wait | None] = self._first.pop
+            back = Counter(filter(None, map(pop, freed, repeat(None))))
         done: list[Future[None]] = []
-        for block in slots.take_freed():
-            first = self._first.pop(block, None)
-            if first is None:
-                continue
-            for waiting in (first, *self._more.pop(block, ())):
-                waiting.left -= 1
-                if not waiting.left:
-                    done.append(waiting.future)
+        for waiting, count in back.items():
+            waiting.left -= count
+            if not waiting.left:
+                done.append(waiting.future)
         return done
 
     def all(self) -> list[Future[None]]:

@@ -160,8 +160,7 @@ class PoolStore:
                 copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
             except BaseException:
                 # The rows hold part of a copy at best: their keys must not be found.
-                for key in keys[done : done + len(rows)]:
-                    self.slots.release(key)
+                self.slots.release_many(keys[done : done + len(rows)])
                 raise
             done += len(rows)
         return done
@@ -253,8 +252,7 @@ class PoolStore:
 
     def release(self, keys: list[BlockKey]) -> None:
         with self.lock:
-            for key in keys:
-                self.slots.release(key)
+            self.slots.release_many(keys)
         self.settle()
 
     # ------------------------------------------------------------ publications
