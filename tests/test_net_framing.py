@@ -380,6 +380,14 @@ def test_a_sender_that_stops_mid_payload_fails_a_range_read_by_its_deadline(
     assert right.bytes_delivered == HALF
 
 
+def test_a_table_libc_would_misread_is_refused() -> None:
+    good = np.zeros((3, 2), dtype=np.uint64)
+    for bad in (good.astype(np.int64), good.T.copy(), np.zeros((2, 3), dtype=np.uint64).T):
+        with pytest.raises(ValueError, match="C-ordered"):
+            IoVecs(bad, None)
+    IoVecs(good, None)
+
+
 def test_advance_skips_whole_rows_and_cuts_the_next_without_changing_the_callers() -> None:
     table = np.array([[100, 10], [200, 20], [300, 30]], dtype=np.uint64)
     assert iovec.advance(table, 0) is table

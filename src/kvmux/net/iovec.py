@@ -67,6 +67,13 @@ class IoVecs:
     table: Table
     owner: object
 
+    def __post_init__(self) -> None:
+        """libc reads the table's memory as it lies: anything but C-ordered ``[n, 2]``
+        uint64 rows would send or fill the wrong bytes."""
+        table = self.table
+        if table.dtype != np.uint64 or table.shape[1:] != (2,) or not table.flags.c_contiguous:
+            raise ValueError(f"an iovec table is C-ordered [n, 2] uint64, not {table.dtype}")
+
     @property
     def nbytes(self) -> int:
         return int(self.table[:, 1].sum())
