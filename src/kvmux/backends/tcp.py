@@ -4,8 +4,8 @@ The cross-host default. One ``fetch`` request names a whole batch of keys;
 the producer answers which it has, pins their slots and streams them with
 gather writes straight from the pool (no copy of ours on the way out); the
 consumer scatters them with one ``recvmsg`` per 1024 ranges straight into the
-blocks' byte ranges of KV memory (:mod:`kvmux.net.kv_views`), or, for memory that is not
-plain contiguous host memory, into a reused staging buffer that is copied
+blocks' byte ranges of KV memory (:mod:`kvmux.net.kv_views`), or, for memory
+that is not plain contiguous host memory, into a reused staging buffer that is copied
 into the blocks in runs. With ``save_mode: borrow`` the producer gathers
 straight from the blocks' ranges of its own KV memory instead of a pool. A
 producer that dies or stalls midway leaves
@@ -27,6 +27,7 @@ from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, LayoutError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
+from kvmux.net import iovec
 from kvmux.net.client import Link
 from kvmux.net.iovec import IoVecs
 from kvmux.net.kv_views import KVViews
@@ -134,7 +135,7 @@ class TcpTransport(PullTransport):
         if pool is None:
             assert self._kv is not None
             return self._kv.payload(slots)
-        if len(slots) >= SMALL_BATCH:
+        if len(slots) >= SMALL_BATCH and iovec.SUPPORTED:
             return IoVecs(row_ranges(pool.data_ptr(), slots, nbytes), pool)
         assert pool_bytes is not None
         return [

@@ -9,9 +9,9 @@ memory than it has sent (an up-front buffer of the announced size let 200
 stalled connections cost a server 200 MB). Payloads go straight between the
 socket and their final memory with scatter/gather ``recvmsg_into``/``sendmsg``,
 so a block crosses the socket without a copy of ours: given as memoryviews, or,
-for thousands of pieces, as one table of addresses (:mod:`kvmux.net.iovec`). Anything that is not a
-well-formed frame within the limits is a :class:`~kvmux.errors.ProtocolError`
-and the channel is unusable afterwards.
+for thousands of pieces, as one table of addresses (:mod:`kvmux.net.iovec`).
+Anything that is not a well-formed frame within the limits is a
+:class:`~kvmux.errors.ProtocolError` and the channel is unusable afterwards.
 
 A large payload starts at a page-aligned offset of the byte stream: the
 sender pads the JSON header with spaces to get there. Both kernel copies

@@ -10,11 +10,11 @@ once (:meth:`kvmux.addressing.BlockAddressing.ranges`), handed to libc's
 ``sendmsg``/``recvmsg`` as the ``iovec`` array it already is. ctypes releases
 the GIL for the call, as the socket module does.
 
-Linux only, like the rest of kvmux's data path: the ``msghdr`` layout below is
-Linux's. Errors come back as the socket module raises them (``OSError``
-subclasses by errno; ``BlockingIOError`` when the kernel's ``SO_*TIMEO``
-timeout expires), so :class:`~kvmux.net.frames.Channel` treats both paths
-alike.
+Used only on 64-bit Linux (:data:`SUPPORTED`), whose ``msghdr`` layout is the one
+below; elsewhere callers keep their memoryviews. Errors come back as the socket
+module raises them (``OSError`` subclasses by errno; ``BlockingIOError`` when the
+kernel's ``SO_*TIMEO`` timeout expires), so :class:`~kvmux.net.frames.Channel`
+treats both paths alike.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ import ctypes
 import errno
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+SUPPORTED = sys.platform == "linux" and sys.maxsize > 2**32
+"""Whether tables may be used here: 64-bit Linux, whose ``iovec`` and ``msghdr``
+the table and ``_MsgHdr`` match (elsewhere payloads stay memoryviews)."""
 IOV_MAX = 1024
 """Most rows one call takes (Linux's ``UIO_MAXIOV``)."""
 
@@ -48,7 +52,7 @@ class _MsgHdr(ctypes.Structure):
     ]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's libc (on any platform)
 _sendmsg = _libc.sendmsg
 _sendmsg.argtypes = (ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int)
 _sendmsg.restype = ctypes.c_ssize_t

@@ -18,6 +18,7 @@ import torch
 
 from kvmux.addressing import SMALL_BATCH, BlockAddressing
 from kvmux.layout import KVLayout
+from kvmux.net import iovec
 from kvmux.net.iovec import IoVecs
 from kvmux.net.memory import byte_view
 
@@ -46,7 +47,7 @@ class KVViews:
         few blocks a view per piece, for more one table of them all, computed with
         numpy (a view per piece of a 4096-block batch cost milliseconds; a table's
         dozen numpy calls cost a one-block batch more than its few views)."""
-        if len(blocks) >= SMALL_BATCH:
+        if len(blocks) >= SMALL_BATCH and iovec.SUPPORTED:
             return IoVecs(self._addressing.ranges(blocks), self._memory)
         return [
             memory[offset + block * step : offset + block * step + length]
