@@ -22,7 +22,7 @@ from itertools import compress
 import numpy as np
 import torch
 
-from kvmux.addressing import SMALL_BATCH, row_ranges, row_runs
+from kvmux.addressing import row_ranges, row_runs
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError, LayoutError, ProtocolError, TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
@@ -135,7 +135,7 @@ class TcpTransport(PullTransport):
         if pool is None:
             assert self._kv is not None
             return self._kv.payload(slots)
-        if len(slots) >= SMALL_BATCH and iovec.SUPPORTED:
+        if iovec.worth_a_table(len(slots)):
             return IoVecs(row_ranges(pool.data_ptr(), slots, nbytes), pool)
         assert pool_bytes is not None
         return [

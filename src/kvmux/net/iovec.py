@@ -36,6 +36,11 @@ the table and ``_MsgHdr`` match (elsewhere payloads stay memoryviews)."""
 IOV_MAX = 1024
 """Most rows one call takes (Linux's ``UIO_MAXIOV``)."""
 
+MIN_BLOCKS = 16
+"""Fewest blocks a payload goes as a table for: a table's dozen numpy calls cost a
+one-block batch more than its few views (a one-block load from another process
+took ~750 us with a table, ~460 with views)."""
+
 Table = npt.NDArray[np.uint64]
 """``[n, 2]`` rows of (address, length): ``struct iovec``'s layout on 64-bit Linux."""
 
@@ -59,6 +64,11 @@ _sendmsg.restype = ctypes.c_ssize_t
 _recvmsg = _libc.recvmsg
 _recvmsg.argtypes = (ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int)
 _recvmsg.restype = ctypes.c_ssize_t
+
+
+def worth_a_table(blocks: int) -> bool:
+    """Whether a payload of ``blocks`` blocks should go as a table rather than views."""
+    return SUPPORTED and blocks >= MIN_BLOCKS
 
 
 @dataclass(frozen=True)

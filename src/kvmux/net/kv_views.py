@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvmux.addressing import SMALL_BATCH, BlockAddressing
+from kvmux.addressing import BlockAddressing
 from kvmux.layout import KVLayout
 from kvmux.net import iovec
 from kvmux.net.iovec import IoVecs
@@ -45,9 +45,9 @@ class KVViews:
     def payload(self, blocks: Sequence[int]) -> IoVecs | list[memoryview]:
         """The blocks' ranges, in serialized order, one block after the other: for a
         few blocks a view per piece, for more one table of them all, computed with
-        numpy (a view per piece of a 4096-block batch cost milliseconds; a table's
-        dozen numpy calls cost a one-block batch more than its few views)."""
-        if len(blocks) >= SMALL_BATCH and iovec.SUPPORTED:
+        numpy (a view per piece of a 4096-block batch cost milliseconds; see
+        :func:`kvmux.net.iovec.worth_a_table`)."""
+        if iovec.worth_a_table(len(blocks)):
             return IoVecs(self._addressing.ranges(blocks), self._memory)
         return [
             memory[offset + block * step : offset + block * step + length]
