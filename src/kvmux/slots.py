@@ -172,10 +172,9 @@ class SlotPool:
         return list(islice(compress(self._where, free), n))
 
     def remove(self, key: BlockKey) -> None:
-        slot = self._where.pop(key, None)
-        if slot is not None:
-            self._unindex([key])
-            self._free.append(slot)
+        """Forget ``key`` (if stored) and free its slot."""
+        if key in self._where:
+            self.remove_many([key])
 
     def remove_many(self, keys: Sequence[BlockKey]) -> None:
         """``remove`` of stored, distinct ``keys``, without Python code per key."""
@@ -417,15 +416,9 @@ class _LentPool(SlotPool):
         self.key_at.update(zip(slots, keys, strict=True))
         self._index(keys)
 
-    def remove(self, key: BlockKey) -> None:
-        slot = self._where.pop(key, None)
-        if slot is not None:
-            self._unindex([key])
-            del self.key_at[slot]
-            self.freed.append(slot)
-
     def remove_many(self, keys: Sequence[BlockKey]) -> None:
-        """``remove`` of stored, distinct ``keys``, without Python code per key."""
+        """``remove`` of stored, distinct ``keys``, without Python code per key: their
+        blocks go to ``freed``, not to the free list (they are the engine's)."""
         slots = list(map(self._where.pop, keys))
         self._unindex(keys)
         _drain(map(self.key_at.pop, slots))
