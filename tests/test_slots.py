@@ -116,6 +116,8 @@ def test_batches_match_the_per_key_algorithm(seed: int, by_digest: bool) -> None
             assert save(table, batch) == model.save(batch)
         elif op < 0.7:
             batch = rng.sample(universe, rng.randint(1, 10))
+            if rng.random() < 0.3:
+                batch.insert(rng.randrange(len(batch) + 1), rng.choice(batch))  # found twice
             rows = table.find_many(batch)
             found = rows[rows >= 0].tolist()
             assert rows.tolist() == [model.find(k) for k in batch]

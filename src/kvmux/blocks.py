@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmux.addressing import SMALL_BATCH, BlockAddressing, Ids, index_runs, row_runs
+from kvmux.addressing import SMALL_BATCH, BlockAddressing, Ids, as_ids, index_runs, row_runs
 from kvmux.layout import KVLayout
 
 _VECTOR_MIN_RUN = 4
@@ -66,6 +66,7 @@ class BlockCopier:
 
     def copy_out(self, block_ids: Ids, dst: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy blocks ``block_ids`` into ``dst[rows[i]]`` (rows default to 0..n-1)."""
+        block_ids, rows = as_ids(block_ids), None if rows is None else as_ids(rows)
         self._check_rows(dst, block_ids, rows)
         if self._host is not None and _host_rows(dst):
             self._host_copy(block_ids, dst, rows, to_rows=True)
@@ -80,6 +81,7 @@ class BlockCopier:
 
     def copy_in(self, block_ids: Ids, src: torch.Tensor, rows: Ids | None = None) -> None:
         """Copy ``src[rows[i]]`` into blocks ``block_ids`` (rows default to 0..n-1)."""
+        block_ids, rows = as_ids(block_ids), None if rows is None else as_ids(rows)
         self._check_rows(src, block_ids, rows)
         if self._host is not None and _host_rows(src):
             self._host_copy(block_ids, src, rows, to_rows=False)

@@ -13,17 +13,24 @@ the last pin goes. The ``cpu`` pool uses the same table and simply never pins.
 Batches are thousands of keys and every batch passes through here under the
 owner's lock, so the batch methods (``lookup``, ``find_many``, ``keep_many``,
 ``allocate_many``, ``unpin``) do no Python work per key: ``map`` over the
-C-level ``OrderedDict`` methods, ``itertools`` to filter, numpy for pin counts.
+C-level ``dict`` methods, ``itertools`` to filter, numpy for pin counts.
 The one-key methods stay for callers that handle one key at a time.
+
+The LRU order is a plain ``dict``'s insertion order, not an ``OrderedDict``:
+a key is made most recently used by popping and inserting it again. A full
+pool evicts a batch's worth of keys and inserts as many on every save: 4096
+new keys (looked up, as many evicted, inserted) took ~1.35 ms with the
+``OrderedDict``, which keeps a linked list beside its table, and ~0.9 ms with
+a ``dict``; a lookup that touches 4096 keys costs both about the same.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, groupby, islice, repeat
+from itertools import compress, groupby, islice, repeat, tee
 from operator import and_, ge, itemgetter, not_
 
 import numpy as np
@@ -45,6 +52,14 @@ every lookup misses it."""
 def _drain(it: Iterator[object]) -> None:
     """Run an iterator of side effects (a ``map`` of a C method) at C speed."""
     deque(it, maxlen=0)
+
+
+def _touch(where: dict[BlockKey, int], keys: Iterable[BlockKey]) -> None:
+    """Make the stored ``keys`` the most recently used of ``where``, in order: each is
+    popped and inserted again, the pairs made as ``update`` takes them (so a key
+    listed twice moves twice, as it would one at a time)."""
+    keys, again = tee(keys)
+    where.update(zip(keys, map(where.pop, again), strict=True))
 
 
 def _leading(flags: Iterable[bool], n: int) -> int:
@@ -73,7 +88,8 @@ class SlotPool:
 
     def __init__(self, slots: int, *, by_digest: bool = False) -> None:
         self.slots = slots
-        self._where: OrderedDict[BlockKey, int] = OrderedDict()
+        self._where: dict[BlockKey, int] = {}
+        """Key -> slot, least recently used first (see the module's docstring)."""
         self._by_digest: dict[str, dict[bytes, BlockKey]] | None = {} if by_digest else None
         """The keys of ``_where`` by namespace and digest, if kept (see ``stored_keys``):
         a pool that serves peers' requests keeps it; keeping it costs a save of
@@ -90,18 +106,35 @@ class SlotPool:
 
     def get(self, key: BlockKey) -> int | None:
         """The key's slot, marking it most recently used; None if absent."""
-        slot = self._where.get(key)
+        slot = self._where.pop(key, None)
         if slot is not None:
-            self._where.move_to_end(key)
+            self._where[key] = slot
         return slot
 
     def lookup(self, keys: Sequence[BlockKey]) -> SlotArray:
         """Every key's slot (-1: absent), marking the present ones most recently
-        used in ``keys`` order, as ``get`` of each key in turn would."""
-        slots = np.fromiter(map(self._where.get, keys, repeat(-1)), np.int64, len(keys))
-        if slots.size and slots.max() >= 0:  # a batch of new keys has nothing to touch
-            hits = map(ge, slots.tolist(), repeat(0))
-            _drain(map(self._where.move_to_end, compress(keys, hits)))
+        used in ``keys`` order, as ``get`` of each key in turn would.
+
+        One pass pops each key and inserts it again at the end, at C speed; ``tee``
+        keeps the popped slots for the answer. The pairs are made as ``update``
+        takes them, so a key listed twice is found both times. An absent key is
+        inserted as -1 on the way, and taken out again after."""
+        where = self._where
+        popped, found = tee(map(where.pop, keys, repeat(-1)))
+        where.update(zip(keys, popped, strict=True))
+        slots = np.fromiter(found, np.int64, len(keys))
+        if slots.size and slots.min() < 0:
+            missing = compress(keys, (slots < 0).tolist())
+            _drain(map(where.pop, missing, repeat(None)))  # None: a key listed twice
+        return slots
+
+    def new_slots(self, keys: Sequence[BlockKey]) -> SlotArray:
+        """``lookup`` for a save, whose keys are mostly new: one ``get`` per key, and
+        only the present ones are touched."""
+        where = self._where
+        slots = np.fromiter(map(where.get, keys, repeat(-1)), np.int64, len(keys))
+        if slots.size and slots.max() >= 0:
+            _touch(where, compress(keys, map(ge, slots.tolist(), repeat(0))))
         return slots
 
     def stored_keys(self, runs: DigestRuns) -> list[BlockKey]:
@@ -124,7 +157,7 @@ class SlotPool:
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark the stored ``keys`` most recently used, in ``keys`` order."""
-        _drain(map(self._where.move_to_end, compress(keys, self.stored(keys))))
+        _touch(self._where, compress(keys, self.stored(keys)))
 
     def stored(self, keys: Iterable[BlockKey]) -> Iterator[bool]:
         """Whether each key is stored, lazily (does not touch the LRU order)."""
@@ -293,7 +326,7 @@ class PinnedSlots:
     def keep_many(self, keys: Sequence[BlockKey]) -> SlotArray:
         """``keep`` of every key: the slots of those stored already (now most
         recently used, and taken back if released while pinned), -1 for new ones."""
-        slots = self._lru.lookup(keys)
+        slots = self._lru.new_slots(keys)
         if self._released:
             back = slots[np.isin(slots, list(self._released))].tolist()
             self._released_keys.difference_update(map(self._released.pop, back))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from kvmux.addressing import Ids
 from kvmux.errors import TransferError
 from kvmux.handle import MISSING, OK, Outcome, failed
 from kvmux.keys import BlockKey
@@ -100,7 +101,7 @@ class ShmTransport(PinnedTransport):
 
     # ------------------------------------------------------------------ producer
 
-    def _bump_versions(self, rows: list[int]) -> None:
+    def _bump_versions(self, rows: Ids) -> None:
         assert self._segment is not None  # rows exist only once the pool is made
         self._segment.bump(rows)
 
@@ -168,9 +169,7 @@ class ShmTransport(PinnedTransport):
         self.check_block_size(reply)
         source = self._mapping(link, reply)
         assert source.versions is not None  # the reply's versions_offset mapped them
-        self.copier.copy_in(
-            np.asarray(block_ids, dtype=np.int64)[hit].tolist(), source.pool, rows.tolist()
-        )
+        self.copier.copy_in(np.asarray(block_ids, dtype=np.int64)[hit], source.pool, rows)
         moved = source.versions[rows] != reply.version_array()[hit]
         outcomes = outcomes_of(hit, OK)
         if moved.any():
@@ -200,7 +199,7 @@ class ShmTransport(PinnedTransport):
     def move(self, link: Link, reply: PinReply, blocks: Rows, rows: Rows, until: float) -> None:
         assert isinstance(reply, LocateReply)
         source = self._mapping(link, reply)
-        self.copier.copy_in(blocks.tolist(), source.pool, rows.tolist())
+        self.copier.copy_in(blocks, source.pool, rows)
 
     def _mapping(self, link: Link, reply: LocateReply) -> MappedSegment:
         """The peer's segment, mapped once and reused while the peer keeps it."""

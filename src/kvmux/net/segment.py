@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvmux.addressing import Ids
 from kvmux.errors import CapacityError, TransferError
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class OwnedSegment:
         """Each slot's version: bumped (``bump``) before the slot is overwritten."""
         self._finalizer = weakref.finalize(self, _remove, self.path, fd)
 
-    def bump(self, rows: list[int]) -> None:
+    def bump(self, rows: Ids) -> None:
         """Mark ``rows`` as about to be overwritten. Called before the first byte of
         them changes, so a consumer that read a row's version, then its bytes, then
         the version again sees a change if any byte it copied was new (x86's store

@@ -60,7 +60,7 @@ class Returns:
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()  # nobody may cancel a return
         waiting = _Wait(future, len(held))
-        shared = self._first.keys() & held
+        shared = self._first.keys() & held if self._first else None  # none waited on: no pass
         if not shared:
             self._first.update(zip(held, repeat(waiting)))
             return future

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from kvmux.addressing import SMALL_BATCH
+from kvmux.addressing import SMALL_BATCH, Ids, as_ids
 from kvmux.blocks import BlockCopier
 from kvmux.errors import CapacityError
 from kvmux.handle import MISSING, OK, Outcome, failed
@@ -33,7 +33,7 @@ from kvmux.slots import LentSlots, PinnedSlots, SlotArray
 
 MakePool = Callable[[int, int], torch.Tensor]
 """``(slots, block_nbytes)`` -> the ``[slots, block_nbytes]`` uint8 pool tensor."""
-BeforeOverwrite = Callable[[list[int]], None]
+BeforeOverwrite = Callable[[Ids], None]
 """Told the pool rows a save is about to write, before any byte of them changes
 (the ``shm`` transport bumps their versions)."""
 
@@ -154,10 +154,11 @@ class PoolStore:
             rows = self.slots.allocate_many(keys[done:], self.slots.protected())
             if not rows:
                 break
+            at = as_ids(rows)  # one array for the versions' bump and the copy
             try:
                 if self._before_overwrite is not None:
-                    self._before_overwrite(rows)
-                copier.copy_out(block_ids[done : done + len(rows)], pool, rows)
+                    self._before_overwrite(at)
+                copier.copy_out(block_ids[done : done + len(rows)], pool, at)
             except BaseException:
                 # The rows hold part of a copy at best: their keys must not be found.
                 self.slots.release_many(keys[done : done + len(rows)])

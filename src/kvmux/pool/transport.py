@@ -31,7 +31,7 @@ from kvmux.net.messages import Message, Service
 from kvmux.net.server import Handler, Session
 from kvmux.pool.config import ServedPoolConfig
 from kvmux.pool.peer import PeerAddress
-from kvmux.pool.store import PoolStore
+from kvmux.pool.store import BeforeOverwrite, PoolStore
 
 Refusal = Callable[[Session], bool]
 """The server's per-request layout check: True (and the peer told why) when the
@@ -71,7 +71,7 @@ class PullTransport(ABC):
     def make_pool(self, slots: int, block_nbytes: int) -> torch.Tensor:
         """The ``[slots, block_nbytes]`` uint8 pool, where peers can reach it."""
 
-    before_overwrite: Callable[[list[int]], None] | None = None
+    before_overwrite: BeforeOverwrite | None = None
     """Hook: told the pool rows a save is about to write, before any byte changes
     (under the store's lock). None: nobody needs to know."""
 
