@@ -39,6 +39,14 @@ class BadInputTests(SuiteBase):
         pair = harness.pair()
         _both_refused(pair, InvalidRequestError, harness.keys(2), [3, 3])
 
+    def test_one_bad_block_id_in_a_big_batch_is_refused(self, harness: Harness) -> None:
+        """A batch of many blocks is checked as a whole, not id by id: one id out of
+        range, or listed twice, still refuses all of it."""
+        pair = harness.pair(num_blocks=64)
+        keys, ids = harness.keys(32), list(range(32))
+        for last in (64, -1, 0):
+            _both_refused(pair, InvalidRequestError, keys, [*ids[:-1], last])
+
     def test_keys_that_are_not_block_keys_are_refused(self, harness: Harness) -> None:
         pair = harness.pair()
         raw: Any = [b"\x01" * 32]
